@@ -1,0 +1,485 @@
+"""Configuration: one dataclass per TOML section, loading, CLI overrides, validation and --help.
+
+Precedence is CLI > TOML > defaults. Every mistake raises ConfigError *before* any model or data is
+built; `train.py` turns it into `config error: ...` on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+class ConfigError(Exception):
+    """A user mistake in the config file or command line."""
+
+
+def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None):
+    """A config field with a default and a one-line doc.
+
+    `choices` is a fixed set of values; `registry` names "module:ATTR" of a Registry whose names
+    are the valid values (resolved lazily so custom imports can add entries first).
+    """
+    meta = {"doc": doc, "choices": choices, "registry": registry}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    name: str = opt("debug", "run name; the run folder is <dump_folder>/<name>")
+    dump_folder: str = opt("./outputs", "root folder for all runs")
+    description: str = opt("", "free text shown in the startup summary")
+    custom_import: str = opt("", "module to import first, e.g. to register your own model or dataset")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "model family", registry="titan_te.models:MODELS")
+    flavor: str = opt("debug", "size preset of the model family (debug, 1B, 3B, 8B, 70B for llama3)")
+    backend: str = opt("auto", "layer backend: auto (te when CUDA and TE are present), torch or te",
+                       registry="titan_te.layers:BACKENDS")
+    n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)")
+
+
+@dataclass
+class Training:
+    steps: int = opt(200, "optimizer steps to train")
+    local_batch_size: int = opt(8, "sequences per micro-batch on each data-parallel rank")
+    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks (-1: local x dp); "
+                                     "gradient accumulation = global / (local x dp)")
+    seq_len: int = opt(256, "tokens per sequence")
+    max_norm: float = opt(1.0, "gradient-norm clipping threshold (0 disables clipping)")
+    seed: int = opt(0, "seed for weights, data order and dropout-free sampling")
+    deterministic: bool = opt(False, "use deterministic algorithms (bit-exact reruns, slower)")
+    device: str = opt("auto", "auto (cuda when available), cuda or cpu", choices=("auto", "cuda", "cpu"))
+    mixed_precision_param: str = opt("bfloat16", "FSDP parameter dtype for compute on GPU (CPU uses float32)",
+                                     choices=("bfloat16", "float32"))
+    mixed_precision_reduce: str = opt("float32", "dtype of gradient reduction", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class Data:
+    dataset: str = opt("embedded", "dataset: embedded (text shipped with Python), or a registered one",
+                       registry="titan_te.data:DATASETS")
+    path: str = opt("", "file, folder or glob the dataset reads (unused by 'embedded')")
+    tokenizer: str = opt("byte", "tokenizer", registry="titan_te.data:TOKENIZERS")
+    tokenizer_path: str = opt("", "tokenizer file for file-based tokenizers")
+    text_field: str = opt("text", "field holding the text in .jsonl / .parquet records")
+    num_workers: int = opt(0, "data-loader worker processes")
+    shuffle: bool = opt(True, "shuffle sequences each epoch (seeded by training.seed)")
+
+
+@dataclass
+class Parallelism:
+    data_parallel: str = opt("fsdp", "data parallelism: fsdp, hsdp, ddp or none",
+                             registry="titan_te.parallel:PARALLELISMS")
+    data_parallel_shard_degree: int = opt(-1, "ranks a parameter is sharded over (-1: the rest of the world)")
+    data_parallel_replicate_degree: int = opt(1, "replicas of the sharded model (hsdp)")
+    reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("adamw", "optimizer", registry="titan_te.optim:OPTIMIZERS")
+    lr: float = opt(1e-3, "peak learning rate")
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, 1-D params)")
+    beta1: float = opt(0.9, "Adam beta1")
+    beta2: float = opt(0.95, "Adam beta2")
+    eps: float = opt(1e-8, "Adam epsilon")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(10, "linear warmup steps from lr/(warmup+1) to lr")
+    decay_type: str = opt("cosine", "decay after warmup: cosine, linear or constant",
+                          registry="titan_te.optim:LR_DECAYS")
+    min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "print / log metrics every N steps")
+    enable_tensorboard: bool = opt(True, "write TensorBoard event files under <run>/tb")
+    rank_0_only: bool = opt(True, "only rank 0 writes TensorBoard events")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = opt(False, "save DCP checkpoints and resume from the newest one")
+    folder: str = opt("checkpoint", "checkpoint folder inside the run folder")
+    interval: int = opt(500, "save every N steps (the last step is always saved)")
+    async_mode: str = opt("disabled", "disabled, async or async_with_pinned_mem",
+                          choices=("disabled", "async", "async_with_pinned_mem"))
+    keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)")
+    load_step: int = opt(-1, "step to resume from (-1: newest complete checkpoint)")
+    exclude_from_loading: list = opt([], "parts not restored on resume, e.g. dataloader,optimizer")
+
+
+@dataclass
+class FP8:
+    enable: bool = opt(False, "run linear layers in FP8 (te backend, needs an sm_89+ GPU)")
+    recipe: str = opt("delayed", "delayed, current, block, mxfp8 or nvfp4 (the last two need Blackwell)",
+                      choices=("delayed", "current", "block", "mxfp8", "nvfp4"))
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt("none", "none, full (every block) or every_n (every N-th block)",
+                    choices=("none", "full", "every_n"))
+    every_n: int = opt(2, "with mode=every_n: checkpoint one block out of N")
+
+
+@dataclass
+class Compile:
+    enable: bool = opt(False, "torch.compile each block (eager TE modules stay eager)")
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    fp8: FP8 = field(default_factory=FP8)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+
+    @property
+    def run_folder(self) -> Path:
+        return Path(self.job.dump_folder) / self.job.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Field helpers
+# ---------------------------------------------------------------------------------------------
+def sections() -> dict[str, type]:
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(section_cls)}
+
+
+def _type_of(section_cls: type, name: str) -> type:
+    return typing.get_type_hints(section_cls)[name]
+
+
+def _type_name(tp: type) -> str:
+    return {list: "list", bool: "bool", int: "int", float: "float", str: "str"}.get(tp, str(tp))
+
+
+def _closest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
+    """Turn a TOML value or a CLI string into the field's type, or raise ConfigError."""
+    bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} ({where})")
+    if isinstance(value, str) and tp is not str:
+        text = value.strip()
+        if tp is bool:
+            if text.lower() in ("true", "1", "yes"):
+                return True
+            if text.lower() in ("false", "0", "no"):
+                return False
+            raise bad
+        if tp is list:
+            return [v.strip() for v in text.split(",") if v.strip()]
+        try:
+            return tp(text)
+        except ValueError:
+            raise bad from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is list:
+        if isinstance(value, list):
+            return value
+        raise bad
+    if tp is str and isinstance(value, str):
+        return value
+    raise bad
+
+
+def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+    if "." not in dotted:
+        raise ConfigError(f"'{dotted}' is not of the form section.key ({where})")
+    section, key = dotted.split(".", 1)
+    secs = sections()
+    if section not in secs:
+        raise ConfigError(f"unknown section [{section}]{_closest(section, list(secs))} ({where})")
+    flds = _fields(secs[section])
+    if key not in flds:
+        raise ConfigError(f"unknown key {section}.{key}{_closest(key, list(flds))} ({where})")
+    tp = _type_of(secs[section], key)
+    setattr(getattr(cfg, section), key, _coerce(value, tp, f"{section}.{key}", where))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CliArgs:
+    config_file: str | None = None
+    overrides: list[tuple[str, str]] = field(default_factory=list)
+    help: bool = False
+    print_config: bool = False
+
+
+def parse_argv(argv: list[str]) -> CliArgs:
+    args = CliArgs()
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok in ("-h", "--help"):
+            args.help = True
+        elif tok == "--print-config":
+            args.print_config = True
+        elif tok == "--config" or tok.startswith("--config="):
+            if "=" in tok:
+                args.config_file = tok.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                i += 1
+                args.config_file = argv[i]
+            else:
+                raise ConfigError("--config needs a file name")
+        elif tok.startswith("--") and len(tok) > 2:
+            body = tok[2:]
+            if "=" in body:
+                key, value = body.split("=", 1)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                key, value = body, argv[i + 1]
+                i += 1
+            else:  # a bare flag: only valid for booleans
+                key, value = body, "true"
+            args.overrides.append((key, value))
+        else:
+            raise ConfigError(f"unexpected argument '{tok}'; options look like --section.key=value")
+        i += 1
+    return args
+
+
+def load_toml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with p.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text: {e}") from None
+
+
+def build(toml_data: dict, overrides: list[tuple[str, str]], source: str = "<defaults>") -> Config:
+    cfg = Config()
+    for section, body in toml_data.items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"top-level key '{section}' must be a [section] table (in {source})")
+        for key, value in body.items():
+            _set(cfg, f"{section}.{key}", value, f"in {source}")
+    for key, value in overrides:
+        _set(cfg, key, value, "on the command line")
+    return cfg
+
+
+def load(argv: list[str]) -> tuple[Config, CliArgs]:
+    """Parse argv, read the TOML file, apply overrides and validate. Raises ConfigError."""
+    args = parse_argv(argv)
+    data = load_toml(args.config_file) if args.config_file else {}
+    cfg = build(data, args.overrides, args.config_file or "<defaults>")
+    if not args.help:
+        validate(cfg, args.config_file or "<defaults>")
+    return cfg, args
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _registry(spec: str):
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate(cfg: Config, source: str) -> None:
+    """Check every value and every combination; all errors surface here, before heavy work."""
+    where = f"(in {source} or the command line)"
+    if cfg.job.custom_import:
+        try:
+            importlib.import_module(cfg.job.custom_import)
+        except ImportError as e:
+            raise ConfigError(f"job.custom_import: cannot import '{cfg.job.custom_import}': {e} {where}") from None
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for name, f in _fields(cls).items():
+            value = getattr(body, name)
+            key = f"{section}.{name}"
+            if f.metadata.get("choices") and value not in f.metadata["choices"]:
+                raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"
+                                  f"{_closest(str(value), list(f.metadata['choices']))} {where}")
+            if f.metadata.get("registry"):
+                reg = _registry(f.metadata["registry"])
+                if value not in reg and not (key == "model.backend" and value == "auto"):
+                    raise ConfigError(f"{key}: {reg.miss_message(value)} {where}")
+    _check_values(cfg, where)
+    from titan_te.hardware import check_hardware  # local import: keeps config light
+
+    check_hardware(cfg, where)
+
+
+def _positive(key: str, value: int | float, where: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value} {where}")
+
+
+def _check_values(cfg: Config, where: str) -> None:
+    t = cfg.training
+    for key in ("steps", "local_batch_size", "seq_len"):
+        _positive(f"training.{key}", getattr(t, key), where)
+    _positive("training.max_norm", t.max_norm, where, allow_zero=True)
+    _positive("optimizer.lr", cfg.optimizer.lr, where)
+    _positive("optimizer.weight_decay", cfg.optimizer.weight_decay, where, allow_zero=True)
+    _positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, where, allow_zero=True)
+    if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.min_lr_ratio must be within [0, 1], got {cfg.lr_scheduler.min_lr_ratio} {where}")
+    _positive("metrics.log_freq", cfg.metrics.log_freq, where)
+    _positive("checkpoint.interval", cfg.checkpoint.interval, where)
+    _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)
+    _positive("data.num_workers", cfg.data.num_workers, where, allow_zero=True)
+    _positive("model.n_layers", cfg.model.n_layers, where, allow_zero=True)
+    if cfg.activation_checkpoint.mode == "every_n":
+        _positive("activation_checkpoint.every_n", cfg.activation_checkpoint.every_n, where)
+
+    from titan_te.models import MODELS
+
+    flavors = MODELS.get(cfg.model.name).flavors
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor = '{cfg.model.flavor}' is not a flavor of {cfg.model.name}"
+                          f"{_closest(cfg.model.flavor, list(flavors))}; valid: {', '.join(flavors)} {where}")
+
+    world = world_size_from_env()
+    p = cfg.parallelism
+    dp = dp_degrees(p, world, where)
+    per_step = t.local_batch_size * dp[0] * dp[1]
+    gbs = t.global_batch_size if t.global_batch_size > 0 else per_step
+    if t.global_batch_size == 0 or t.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size must be > 0 or -1, got {t.global_batch_size} {where}")
+    if gbs % per_step:
+        raise ConfigError(f"training.global_batch_size = {gbs} is not divisible by local_batch_size x "
+                          f"data-parallel degree = {t.local_batch_size} x {dp[0] * dp[1]} = {per_step} {where}")
+    ck = cfg.checkpoint
+    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    for part in ck.exclude_from_loading:
+        if part not in parts:
+            raise ConfigError(f"checkpoint.exclude_from_loading: unknown part '{part}'"
+                              f"{_closest(part, sorted(parts))}; valid: {', '.join(sorted(parts))} {where}")
+
+
+def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:
+    """(replicate, shard) degrees of the data-parallel mesh for `world` ranks."""
+    rep = p.data_parallel_replicate_degree
+    if rep < 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree must be >= 1, got {rep} {where}")
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world % rep:
+            raise ConfigError(f"world size {world} is not divisible by parallelism.data_parallel_replicate_degree"
+                              f" = {rep} {where}")
+        shard = world // rep
+    if shard < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {shard} {where}")
+    if rep * shard != world:
+        raise ConfigError(f"parallelism: replicate x shard degree = {rep} x {shard} must equal the world size "
+                          f"{world} {where}")
+    if p.data_parallel == "none" and world > 1:
+        raise ConfigError(f"parallelism.data_parallel = 'none' runs on one process, but the world size is {world}"
+                          f"; use fsdp, hsdp or ddp {where}")
+    if p.data_parallel != "hsdp" and rep > 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {rep} needs data_parallel = 'hsdp' {where}")
+    return rep, shard
+
+
+# ---------------------------------------------------------------------------------------------
+# Output: --help and the resolved TOML
+# ---------------------------------------------------------------------------------------------
+def help_text() -> str:
+    lines = [
+        "usage: train.py [--config FILE] [--print-config] [--section.key=value | --section.key value]...",
+        "",
+        "Options from the TOML file can be overridden on the command line (CLI > TOML > defaults).",
+        "Lists are comma-separated; booleans are true/false.",
+    ]
+    for section, cls in sections().items():
+        lines.append(f"\n[{section}]")
+        for name, f in _fields(cls).items():
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            tp = _type_name(_type_of(cls, name))
+            lines.append(f"  --{section}.{name} ({tp}, default {_toml_value(default)})")
+            lines.append(f"      {f.metadata['doc']}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def to_toml(cfg: Config) -> str:
+    out = []
+    for section in sections():
+        out.append(f"[{section}]")
+        body = getattr(cfg, section)
+        for f in dataclasses.fields(body):
+            out.append(f"{f.name} = {_toml_value(getattr(body, f.name))}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

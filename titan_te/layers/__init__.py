@@ -1,0 +1,18 @@
+"""Layer-backend registry: how one transformer block is built ("torch" or "te")."""
+from dataclasses import dataclass
+from typing import Callable
+
+from titan_te.registry import Registry
+
+
+@dataclass
+class BackendSpec:
+    name: str
+    block: Callable  # block(args, layer_id) -> nn.Module with forward(x, rope_angles)
+    available: Callable[[], str]  # "" when usable here, else the reason it is not
+    materialize: Callable | None = None  # materialize(model, device) after sharding; default to_empty
+
+
+BACKENDS: Registry[BackendSpec] = Registry("layer backend")
+
+from titan_te.layers import torch_block, te_block  # noqa: E402,F401  (register both)

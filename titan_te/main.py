@@ -1,0 +1,40 @@
+"""Command-line entry: parse the config, build the Trainer, train. User mistakes exit 2, no traceback."""
+from __future__ import annotations
+
+import sys
+
+from titan_te import config as config_mod
+from titan_te.logging_setup import setup_logging
+
+EXIT_CONFIG_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg, args = config_mod.load(argv)
+    except config_mod.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    if args.help:
+        sys.stdout.write(config_mod.help_text())
+        return 0
+    if args.print_config:
+        sys.stdout.write(config_mod.to_toml(cfg))
+        return 0
+    setup_logging()
+    from titan_te.parallel.dist import shutdown
+    from titan_te.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except config_mod.ConfigError as e:  # found only once data or hardware is touched
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,119 @@
+"""Metrics: the console line, TensorBoard events, MFU and memory."""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("titan_te")
+
+# Dense bf16 peak FLOP/s by device-name fragment (MFU is always against bf16, also when FP8 is on).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12,
+                   "GB200": 2500e12, "L40S": 362e12, "L4": 121e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def memory_gib(device: torch.device) -> tuple[float, float]:
+    """(peak active, peak reserved) GiB on the GPU; on CPU the process's peak RSS twice."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return rss, rss
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    max_loss: float
+    grad_norm: float
+    lr: float
+    tokens: int  # tokens this step on this rank
+    step_time: float
+    data_time: float
+    epoch: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class MetricsLogger:
+    def __init__(self, mcfg, run_folder: Path, device: torch.device, rank: int, flops_per_token: float,
+                 total_steps: int):
+        self.cfg, self.device, self.rank = mcfg, device, rank
+        self.flops_per_token, self.total_steps = flops_per_token, total_steps
+        self.peak = peak_flops(device)
+        self.writer = None
+        if mcfg.enable_tensorboard and (rank == 0 or not mcfg.rank_0_only):
+            from torch.utils.tensorboard import SummaryWriter
+
+            sub = "" if mcfg.rank_0_only else f"rank_{rank}"
+            self.writer = SummaryWriter(log_dir=str(run_folder / "tb" / sub))
+        self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
+        self.started = time.perf_counter()
+        self.total_tokens, self.total_time, self.steps_done = 0, 0.0, 0
+
+    def record(self, s: StepStats) -> dict | None:
+        """Accumulate one step; every log_freq steps (and the last) print and write. Returns the values."""
+        self._window_steps += 1
+        self._window_tokens += s.tokens
+        self._window_time += s.step_time
+        self._window_data += s.data_time
+        self.total_tokens += s.tokens
+        self.total_time += s.step_time
+        self.steps_done += 1
+        if s.step % self.cfg.log_freq and s.step not in (1, self.total_steps):
+            return None
+        tps = self._window_tokens / max(self._window_time, 1e-9)
+        tflops = tps * self.flops_per_token / 1e12
+        active, reserved = memory_gib(self.device)
+        values = {
+            "loss_metrics/global_avg_loss": s.loss,
+            "loss_metrics/global_max_loss": s.max_loss,
+            "grad_norm": s.grad_norm,
+            "lr": s.lr,
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            "memory/max_active(GiB)": active,
+            "memory/max_reserved(GiB)": reserved,
+            "time/step_s": self._window_time / max(self._window_steps, 1),
+            "time/data_loading(%)": 100.0 * self._window_data / max(self._window_time, 1e-9),
+            **s.extra,
+        }
+        if self.peak:
+            values["mfu(%)"] = 100.0 * tflops * 1e12 / self.peak
+        eta = (self.total_steps - s.step) * self.total_time / max(self.steps_done, 1)
+        mfu = f"{values['mfu(%)']:.1f}%" if self.peak else "n/a"
+        logger.info(f"step {s.step:>6}  loss {s.loss:8.4f}  lr {s.lr:.2e}  gnorm {s.grad_norm:7.3f}  "
+                    f"tps {tps:,.0f}  tflops {tflops:.2f}  mfu {mfu}  mem {active:.2f}GiB  "
+                    f"epoch {s.epoch}  eta {format_eta(eta)}")
+        self.write(values, s.step)
+        self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
+        return values
+
+    def write(self, values: dict, step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,137 @@
+"""Llama 3 family: args, flavors, FLOP count and the model shell around a layer backend.
+
+Blocks come from the layer-backend registry; they all use Transformer Engine's parameter names
+(`self_attention.layernorm_qkv.weight`, `layernorm_mlp.fc1_weight`, ...) so a checkpoint moves
+between backends unchanged.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_te.models import MODELS, ModelSpec
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 128256  # 0: taken from the tokenizer
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: float = 8.0  # Llama 3.x long-context frequency scaling; 1 disables it
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_pos: int = 8192
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        hd = self.head_dim
+        attn = self.dim * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * self.dim
+        mlp = 3 * self.dim * self.ffn_dim
+        block = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        return self.n_layers * block + self.dim + emb + (emb if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x non-embedding params (incl. the output head) + attention."""
+        n = self.num_params(include_embedding=False)
+        return 6 * n + 12 * self.n_layers * self.dim * seq_len
+
+
+FLAVORS = {
+    "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=0,
+                       rope_theta=10000.0, rope_scaling_factor=1.0, max_seq_len=2048),
+    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_scaling_factor=32.0),
+    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, rope_scaling_factor=32.0),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
+}
+
+
+def rope_angles(args: LlamaArgs, seq_len: int, device=None) -> torch.Tensor:
+    """Rotary angles [seq, 1, 1, head_dim] in the non-interleaved (rotate-half) layout TE uses."""
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
+    if args.rope_scaling_factor != 1.0:  # Llama 3.x: slow the low frequencies, keep the high ones
+        low_wl = args.rope_original_max_pos / args.rope_low_freq_factor
+        high_wl = args.rope_original_max_pos / args.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (args.rope_original_max_pos / wavelen - args.rope_low_freq_factor) / (
+            args.rope_high_freq_factor - args.rope_low_freq_factor)
+        scaled = (1 - smooth) * inv / args.rope_scaling_factor + smooth * inv
+        inv = torch.where(wavelen > low_wl, inv / args.rope_scaling_factor,
+                          torch.where(wavelen < high_wl, inv, scaled))
+    t = torch.arange(seq_len, device=device, dtype=torch.float64)
+    freqs = torch.outer(t, inv)
+    return torch.cat([freqs, freqs], dim=-1).float().view(seq_len, 1, 1, hd)
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs, block_factory):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by str(i) keeps names stable (layers.<i>.*) when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): block_factory(args, i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_angles(args, args.max_seq_len), persistent=False)
+
+    def init_buffers(self, device) -> None:
+        self.rope = rope_angles(self.args, self.args.max_seq_len, device=device)
+
+    def init_rule(self, name: str) -> tuple[str, float]:
+        """How the parameter `name` is initialized: (kind, std)."""
+        if name.endswith(("layer_norm_weight", "norm.weight")):
+            return "ones", 0.0
+        if name == "tok_embeddings.weight":
+            return "normal", 1.0
+        if name == "output.weight":
+            return "trunc_normal", self.args.dim ** -0.5
+        layer_id = int(name.split(".")[1])
+        if name.endswith(("proj.weight", "fc2_weight")):  # residual outputs: depth-scaled
+            return "normal", 0.02 / math.sqrt(2 * (layer_id + 1))
+        return "normal", 0.02
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.args.max_seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        rope = self.rope[:seq]
+        for block in self.layers.values():
+            h = block(h, rope)
+        h = self.norm(h)
+        return self.output(h).float()
+
+
+def build_llama(args: LlamaArgs, backend: str) -> Llama:
+    from titan_te.layers import BACKENDS
+
+    return Llama(args, BACKENDS.get(backend).block)
+
+
+def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:
+    args = FLAVORS[flavor]
+    if args.vocab_size == 0:
+        args = replace(args, vocab_size=vocab_size)
+    if n_layers:
+        args = replace(args, n_layers=n_layers)
+    if seq_len > args.max_seq_len:
+        args = replace(args, max_seq_len=seq_len)
+    return args
+
+
+MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama))

@@ -1,0 +1,63 @@
+"""Registry entries: fsdp (FSDP2 per block, then the root), hsdp (replicate x shard), ddp, none.
+
+Gradient scaling: the loss of every micro-batch is already divided by the *global* number of valid
+tokens, so the data-parallel reduction must SUM gradients. FSDP2 and DDP both average by default;
+each entry below switches that off.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from titan_te.parallel import PARALLELISMS, ParallelSpec
+
+
+def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy) -> nn.Module:
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block is needed again right at the start of backward: keep it gathered.
+        reshard = pcfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def apply_fsdp(model, env, pcfg, mp):
+    return _fully_shard(model, env.mesh["dp_shard"], pcfg, mp)
+
+
+def apply_hsdp(model, env, pcfg, mp):
+    return _fully_shard(model, env.mesh, pcfg, mp)
+
+
+def _sum_allreduce_hook(group, bucket):
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def apply_ddp(model, env, pcfg, mp):
+    model.to_empty(device=env.device)  # DDP needs real tensors to broadcast; init overwrites them
+    ddp = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                  broadcast_buffers=False)
+    ddp.register_comm_hook(dist.group.WORLD, _sum_allreduce_hook)
+    return ddp
+
+
+def apply_none(model, env, pcfg, mp):
+    return model
+
+
+for _name, _fn in {"fsdp": apply_fsdp, "hsdp": apply_hsdp, "ddp": apply_ddp, "none": apply_none}.items():
+    PARALLELISMS.register(_name)(ParallelSpec(name=_name, apply=_fn))
+
+
+def mixed_precision(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    if device_type != "cuda":  # CPU kernels: stay in fp32 for speed and exactness
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))

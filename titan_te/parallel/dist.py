@@ -1,0 +1,68 @@
+"""Process-group and device-mesh setup (NCCL on CUDA, gloo on CPU)."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh  # 2-D: ("dp_replicate", "dp_shard")
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank  # only data parallelism: every rank holds its own slice of the batch
+
+    @property
+    def dp_world(self) -> int:
+        return self.world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: int = 1800) -> DistEnv:
+    """Join (or, without torchrun, create) the process group and build the data-parallel mesh."""
+    if "RANK" not in os.environ:  # a plain `python train.py`: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"  # gloo too: async checkpoint saves use a CPU group
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

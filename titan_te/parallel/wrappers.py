@@ -1,0 +1,28 @@
+"""Per-block wrappers applied before sharding: activation checkpointing and torch.compile."""
+from __future__ import annotations
+
+import logging
+
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+logger = logging.getLogger("titan_te")
+
+
+def apply_activation_checkpoint(model, acfg) -> None:
+    """Recompute the activations of every block (full) or of every N-th block (every_n) in backward."""
+    if acfg.mode == "none":
+        return
+    every = 1 if acfg.mode == "full" else acfg.every_n
+    for key, block in list(model.layers.items()):
+        if int(key) % every == 0:
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model, backend: str) -> None:
+    """torch.compile each block in place (names unchanged). TE blocks stay eager."""
+    if backend == "te":
+        logger.info("compile: TE blocks stay eager; compiling the final norm only")
+        model.norm.compile()
+        return
+    for block in model.layers.values():
+        block.compile(fullgraph=False)

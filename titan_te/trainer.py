@@ -1,0 +1,196 @@
+"""The Trainer: built in a fixed, readable order, then a plain training loop.
+
+Build order (each stage receives only its own config section):
+ 1. distributed init and the data-parallel mesh
+ 2. tokenizer, dataset and the stateful data loader (sharded by data-parallel rank)
+ 3. the model on the meta device, from the model registry with the chosen layer backend
+ 4. activation checkpointing, compile, then the parallelism from its registry (fully_shard ...)
+ 5. materialize and initialize the weights (the same full weights for any world size)
+ 6. optimizer and LR schedule
+ 7. metrics (and, from the checkpoint manager, resume)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_te import config as config_mod
+from titan_te.data import DATASETS, TOKENIZERS
+from titan_te.data.loader import build_dataloader
+from titan_te.data.tokenizers import padded_vocab
+from titan_te.hardware import resolve_backend, resolve_device
+from titan_te.init_weights import init_weights
+from titan_te.layers import BACKENDS
+from titan_te.metrics import MetricsLogger, StepStats, memory_gib
+from titan_te.models import MODELS
+from titan_te.models.llama import resolve_args
+from titan_te.optim import OPTIMIZERS
+from titan_te.optim.lr_schedule import build_lr_scheduler
+from titan_te.parallel import PARALLELISMS
+from titan_te.parallel.data_parallel import mixed_precision
+from titan_te.parallel.dist import init_distributed
+from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
+from titan_te.train_utils import clip_grad_norm, set_determinism
+
+logger = logging.getLogger("titan_te")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainState:
+    """Progress counters; a Stateful so the checkpoint sees it as one object."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+
+
+class Trainer:
+    def __init__(self, cfg: config_mod.Config):
+        self.cfg = cfg
+        t = cfg.training
+        # 1. distributed
+        device_type = resolve_device(t.device)
+        rep, shard = config_mod.dp_degrees(cfg.parallelism, config_mod.world_size_from_env())
+        self.env = env = init_distributed(device_type, rep, shard)
+        self.device = env.device
+        set_determinism(t.seed, t.deterministic)
+        self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
+        self.run_folder = cfg.run_folder
+
+        # 2. data
+        self.tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
+        source = DATASETS.get(cfg.data.dataset)(cfg.data, self.tokenizer)
+        self.dataloader = build_dataloader(source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
+                                           t.seed, cfg.data.shuffle, cfg.data.num_workers,
+                                           pin_memory=device_type == "cuda")
+
+        # 3. model on the meta device
+        self.backend = resolve_backend(cfg.model.backend, device_type)
+        spec = MODELS.get(cfg.model.name)
+        self.model_args = resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
+                                       cfg.model.n_layers)
+        with torch.device("meta"):
+            model = spec.build(self.model_args, self.backend)
+        self.model = model  # the unwrapped module: names, init rules, state dicts
+
+        # 4. activation checkpointing, compile, data parallelism
+        apply_activation_checkpoint(model, cfg.activation_checkpoint)
+        if cfg.compile.enable:
+            apply_compile(model, self.backend)
+        mp = mixed_precision(device_type, t.mixed_precision_param, t.mixed_precision_reduce)
+        self.train_model = PARALLELISMS.get(cfg.parallelism.data_parallel).apply(model, env, cfg.parallelism, mp)
+
+        # 5. materialize and initialize
+        backend_spec = BACKENDS.get(self.backend)
+        if any(p.is_meta for p in model.parameters()):
+            if backend_spec.materialize:
+                backend_spec.materialize(model, self.device)
+            else:
+                model.to_empty(device=self.device)
+        init_weights(model, model.init_rule, t.seed, self.device)
+        model.init_buffers(self.device)
+
+        # 6. optimizer and LR schedule
+        self.optimizer = OPTIMIZERS.get(cfg.optimizer.name).build(list(model.named_parameters()), cfg.optimizer,
+                                                                  device_type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+
+        # 7. metrics
+        self.state = TrainState()
+        self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum * env.dp_world
+        self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
+                                     self.model_args.flops_per_token(t.seq_len), t.steps)
+        self.losses: list[float] = []  # global average loss of every step, for callers and tests
+        if env.is_main:
+            self._write_resolved_config()
+            self._log_summary()
+
+    # ------------------------------------------------------------------------------------------
+    def _write_resolved_config(self) -> None:
+        self.run_folder.mkdir(parents=True, exist_ok=True)
+        (self.run_folder / "config.toml").write_text(config_mod.to_toml(self.cfg))
+
+    def _log_summary(self) -> None:
+        a, t, p = self.model_args, self.cfg.training, self.cfg.parallelism
+        n = a.num_params()
+        fp8 = f"on ({self.cfg.fp8.recipe})" if self.cfg.fp8.enable else "off"
+        logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {n / 1e6:,.1f} M parameters, "
+                    f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
+        logger.info(f"parallel: {p.data_parallel} on {self.env.world_size} rank(s) "
+                    f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}")
+        logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
+                    f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
+                    f"{self.model_args.flops_per_token(t.seq_len) * self.tokens_per_step / 1e12:,.2f} TFLOP per step")
+        logger.info(f"fp8: {fp8}; MFU is measured against the dense bf16 peak; run folder {self.run_folder}")
+
+    def _next_microbatches(self):
+        batches = [next(self._data_iter) for _ in range(self.grad_accum)]
+        return [{k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in b.items()} for b in batches]
+
+    def train_step(self, microbatches) -> tuple[float, float, float]:
+        """One optimizer step over the micro-batches; returns (global avg loss, max rank loss, grad norm)."""
+        local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
+        global_tokens = local_tokens.clone()
+        dist.all_reduce(global_tokens)
+        # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
+        # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
+        # whatever the split into ranks and micro-batches.
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in microbatches:
+            logits = self.train_model(mb["input"])
+            loss = F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum",
+                                   ignore_index=IGNORE_INDEX) / global_tokens
+            loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        rank_loss = loss_sum * global_tokens / local_tokens.clamp(min=1)
+        dist.all_reduce(loss_sum)
+        dist.all_reduce(rank_loss, op=dist.ReduceOp.MAX)
+        return loss_sum.item(), rank_loss.item(), grad_norm
+
+    def train(self) -> list[float]:
+        t = self.cfg.training
+        self._data_iter = iter(self.dataloader)
+        logger.info(f"training from step {self.state.step + 1} to {t.steps}")
+        self.train_model.train()
+        while self.state.step < t.steps:
+            t0 = time.perf_counter()
+            microbatches = self._next_microbatches()
+            t_data = time.perf_counter() - t0
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, max_loss, gnorm = self.train_step(microbatches)
+            self.state.step += 1
+            self.state.tokens_seen += self.tokens_per_step
+            self.losses.append(loss)
+            epoch = int(microbatches[-1]["epoch"].max())
+            self.metrics.record(StepStats(self.state.step, loss, max_loss, gnorm, lr,
+                                          self.tokens_per_step // self.env.dp_world,
+                                          time.perf_counter() - t0, t_data, epoch))
+        self._final_summary()
+        return self.losses
+
+    def _final_summary(self) -> None:
+        m = self.metrics
+        active, _ = memory_gib(self.device)
+        logger.info(f"done: {self.state.step} steps, {self.state.tokens_seen:,} tokens, "
+                    f"{time.perf_counter() - m.started:.1f}s wall, "
+                    f"{m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} GiB")
+
+    def close(self) -> None:
+        self.metrics.close()
