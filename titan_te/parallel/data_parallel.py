@@ -25,6 +25,7 @@ def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy) -> nn.M
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: no PREMUL_SUM (gloo lacks it)
     return model
 
 

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install the package (CPU torch unless one is already installed) and run the default job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e .
+./run_train.sh "$@"

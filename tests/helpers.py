@@ -1,0 +1,72 @@
+"""Test helpers: configs from dicts, and real multi-process runs on gloo."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from titan_te import config as config_mod
+
+
+def make_cfg(tmp_path, world: int = 1, **sections) -> config_mod.Config:
+    """A validated debug config writing into tmp_path; `sections` = {"training": {"steps": 5}, ...}."""
+    data = {"job": {"dump_folder": str(tmp_path), "name": "t"},
+            "training": {"steps": 5, "local_batch_size": 2, "seq_len": 32},
+            "metrics": {"log_freq": 1, "enable_tensorboard": False}}
+    for sec, body in sections.items():
+        data.setdefault(sec, {}).update(body)
+    cfg = config_mod.build(data, [])
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        config_mod.validate(cfg, "<test>")
+    finally:
+        if old is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = old
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, *args)
+        payload = ("ok", result)
+    except BaseException as e:  # report to the parent, which raises
+        payload = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(payload))
+
+
+def run_ranks(fn, world: int, *args):
+    """Run fn(rank, world, *args) in `world` spawned processes joined by gloo; returns per-rank results."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, out), nprocs=world, join=True,
+                           start_method="spawn")
+        results = []
+        for r in range(world):
+            status, value = pickle.loads(Path(out, f"{r}.pkl").read_bytes())
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed: {value}")
+            results.append(value)
+        return results

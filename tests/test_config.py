@@ -1,0 +1,114 @@
+import subprocess
+import sys
+
+import pytest
+
+from titan_te import config as C
+
+try:
+    import tomllib
+except ModuleNotFoundError:
+    import tomli as tomllib
+
+from conftest import ROOT
+
+
+def train(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_then_toml_then_cli(tmp_path):
+    f = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    cfg, _ = C.load(["--config", f, "--training.steps=9", "--optimizer.lr", "0.25"])
+    assert cfg.training.steps == 9 and cfg.training.seq_len == 64 and cfg.optimizer.lr == 0.25
+    assert cfg.training.local_batch_size == C.Training().local_batch_size  # default kept
+
+
+def test_override_types_bools_and_lists(tmp_path):
+    cfg, _ = C.load(["--training.deterministic=true", "--data.shuffle", "false",
+                     "--checkpoint.exclude_from_loading=dataloader,optimizer", "--metrics.enable_tensorboard"])
+    assert cfg.training.deterministic is True and cfg.data.shuffle is False
+    assert cfg.checkpoint.exclude_from_loading == ["dataloader", "optimizer"]
+    assert cfg.metrics.enable_tensorboard is True
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--trainng.steps=3"], "unknown section [trainng] (did you mean 'training'?)"),
+    (["--training.stpes=3"], "unknown key training.stpes (did you mean 'steps'?)"),
+    (["--training.steps=abc"], "training.steps expects int, got 'abc'"),
+    (["--training.steps=-1"], "training.steps must be > 0, got -1"),
+    (["--training.deterministic=maybe"], "training.deterministic expects bool"),
+    (["--optimizer.name=adamx"], "optimizer.name: unknown optimizer 'adamx' (did you mean 'adamw'?)"),
+    (["--model.flavor=9B"], "model.flavor = '9B' is not a flavor of llama3"),
+    (["--parallelism.data_parallel=zero3"], "unknown data parallelism 'zero3'"),
+    (["--training.local_batch_size=3", "--training.global_batch_size=8"], "is not divisible by local_batch_size"),
+    (["--checkpoint.async_mode=sometimes"], "checkpoint.async_mode = 'sometimes' is not one of"),
+    (["--checkpoint.exclude_from_loading=dataloder"], "did you mean 'dataloader'"),
+    (["--parallelism.data_parallel_replicate_degree=2"], "is not divisible by parallelism.data_parallel_replicate_degree"),
+    (["--parallelism.data_parallel_shard_degree=2"], "replicate x shard degree = 1 x 2 must equal the world size 1"),
+])
+def test_errors_name_the_key(argv, expected):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(argv)
+    assert expected in str(e.value)
+
+
+def test_toml_type_error_names_file(tmp_path):
+    f = write(tmp_path, "[training]\nsteps = \"ten\"\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(["--config", f])
+    assert "training.steps expects int" in str(e.value) and f in str(e.value)
+
+
+def test_cli_exit_code_2_and_no_traceback(tmp_path):
+    bad = write(tmp_path, "[training\nsteps = 3\n")
+    for args, needle in [(["--config", bad], "TOML syntax error in"),
+                         (["--config", str(tmp_path / "missing.toml")], "config file not found"),
+                         (["--training.stepz=3"], "did you mean 'steps'"),
+                         (["--model.backend=te"], "use --model.backend=torch"),
+                         (["--fp8.enable=true"], "fp8.enable")]:
+        r = train(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.startswith("config error:") and needle in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_help_lists_every_option():
+    r = train("--help")
+    assert r.returncode == 0
+    for section, cls in C.sections().items():
+        for f in C.dataclasses.fields(cls):
+            assert f"--{section}.{f.name} (" in r.stdout
+    assert "--training.steps (int, default 200)" in r.stdout
+    assert "gradient accumulation" in r.stdout  # docs are shown
+
+
+def test_print_config_is_parseable_toml_and_roundtrips(tmp_path):
+    r = train("--config", str(ROOT / "train_configs/debug.toml"), "--training.steps=11", "--print-config")
+    assert r.returncode == 0, r.stderr
+    parsed = tomllib.loads(r.stdout)
+    assert parsed["training"]["steps"] == 11 and parsed["model"]["flavor"] == "debug"
+    again = C.build(parsed, [])
+    assert C.to_toml(again) == r.stdout
+
+
+def test_custom_import_registers_a_dataset(tmp_path, monkeypatch):
+    (tmp_path / "my_data.py").write_text(
+        "from titan_te.data import DATASETS\n"
+        "from titan_te.data.token_source import ArrayTokenSource\n"
+        "import numpy as np\n"
+        "@DATASETS.register('counting')\n"
+        "def build(dcfg, tok):\n"
+        "    return ArrayTokenSource(np.arange(10000) % 200, 'counting')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg, _ = C.load(["--job.custom_import=my_data", "--data.dataset=counting"])
+    assert cfg.data.dataset == "counting"
+    with pytest.raises(C.ConfigError, match="cannot import 'no_such_mod'"):
+        C.load(["--job.custom_import=no_such_mod"])

@@ -1,0 +1,105 @@
+import torch
+import torch.nn.functional as F
+
+from titan_te.init_weights import init_weights
+from titan_te.models.llama import FLAVORS, Llama, resolve_args, rope_angles
+from titan_te.layers.torch_block import TorchBlock, apply_rope
+
+TE_BLOCK_NAMES = {  # TransformerLayer(fuse_qkv_params=True, bias=False, normalization="RMSNorm")
+    "self_attention.layernorm_qkv.layer_norm_weight",
+    "self_attention.layernorm_qkv.weight",
+    "self_attention.proj.weight",
+    "layernorm_mlp.layer_norm_weight",
+    "layernorm_mlp.fc1_weight",
+    "layernorm_mlp.fc2_weight",
+}
+
+
+def tiny_model(seed=0, **kw):
+    args = resolve_args("debug", 320, 64, n_layers=2)
+    model = Llama(args, TorchBlock)
+    init_weights(model, model.init_rule, seed, torch.device("cpu"))
+    return model
+
+
+def test_output_shape_and_dtype():
+    model = tiny_model()
+    logits = model(torch.randint(0, 258, (3, 17)))
+    assert logits.shape == (3, 17, 320) and logits.dtype == torch.float32
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    model = tiny_model()
+    x = torch.randint(0, 258, (2, 24))
+    y = x.clone()
+    y[:, 12:] = torch.randint(0, 258, (2, 12))
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-5)
+    assert not torch.allclose(a[:, 12:], b[:, 12:], atol=1e-3)
+
+
+def test_parameter_names_follow_transformer_engine():
+    model = tiny_model()
+    block = {n.split(".", 2)[2] for n, _ in model.named_parameters() if n.startswith("layers.0.")}
+    assert block == TE_BLOCK_NAMES
+    a = model.args
+    qkv = model.layers["0"].self_attention.layernorm_qkv.weight
+    assert qkv.shape == ((a.n_heads + 2 * a.n_kv_heads) * a.head_dim, a.dim)
+    assert model.layers["0"].layernorm_mlp.fc1_weight.shape == (2 * a.ffn_dim, a.dim)
+
+
+def test_8b_parameter_count_within_one_percent():
+    n = FLAVORS["8B"].num_params()
+    assert abs(n - 8.03e9) / 8.03e9 < 0.01
+    with torch.device("meta"):
+        m = Llama(FLAVORS["8B"], TorchBlock)
+    assert sum(p.numel() for p in m.parameters()) == n
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    a = FLAVORS["8B"]
+    assert a.flops_per_token(8192) == 6 * a.num_params(include_embedding=False) + 12 * 32 * 4096 * 8192
+
+
+def test_fused_qkv_layout_matches_reference_gqa_attention():
+    """The interleaved per-group QKV layout, split by hand, gives the same attention output."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    attn = model.layers["0"].self_attention
+    a = model.args
+    x = torch.randn(2, 10, a.dim)
+    rope = rope_angles(a, 10)
+    out = attn(x, rope)
+    w = attn.layernorm_qkv.weight.view(a.n_kv_heads, a.n_heads // a.n_kv_heads + 2, a.head_dim, a.dim)
+    wq = w[:, :-2].reshape(a.n_heads * a.head_dim, a.dim)
+    wk, wv = w[:, -2].reshape(-1, a.dim), w[:, -1].reshape(-1, a.dim)
+    h = F.rms_norm(x, (a.dim,), attn.layernorm_qkv.layer_norm_weight, a.norm_eps)
+    q = apply_rope((h @ wq.T).view(2, 10, a.n_heads, a.head_dim), rope).transpose(1, 2)
+    k = apply_rope((h @ wk.T).view(2, 10, a.n_kv_heads, a.head_dim), rope).transpose(1, 2)
+    v = (h @ wv.T).view(2, 10, a.n_kv_heads, a.head_dim).transpose(1, 2)
+    rep = a.n_heads // a.n_kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = torch.ones(10, 10, dtype=torch.bool).tril()
+    att = ((q @ k.transpose(-1, -2)) / a.head_dim ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+    ref = attn.proj((att @ v).transpose(1, 2).reshape(2, 10, -1))
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_init_is_seeded_and_follows_rules():
+    a, b, c = tiny_model(0), tiny_model(0), tiny_model(1)
+    for (n, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q), n
+        if "norm" not in n:
+            assert not torch.equal(p, r), n
+    assert torch.all(a.norm.weight == 1)
+    std = a.layers["1"].layernorm_mlp.fc2_weight.std().item()
+    assert abs(std - 0.02 / 2) < 0.002  # depth-scaled residual init
+
+
+def test_llama3_rope_scaling_slows_low_frequencies():
+    a = FLAVORS["8B"]
+    scaled = rope_angles(a, 2)[1, 0, 0]
+    plain = rope_angles(a.__class__(**{**a.__dict__, "rope_scaling_factor": 1.0}), 2)[1, 0, 0]
+    assert torch.allclose(scaled[0], plain[0])  # highest frequency unchanged
+    assert torch.allclose(scaled[a.head_dim // 2 - 1], plain[a.head_dim // 2 - 1] / 8)  # lowest divided by 8
