@@ -103,6 +103,11 @@ class Optimizer:
     beta1: float = opt(0.9, "Adam beta1")
     beta2: float = opt(0.95, "Adam beta2")
     eps: float = opt(1e-8, "Adam epsilon")
+    master_weights: bool = opt(True, "fused_adam / te_fused_adam: FP32 master copies of low-precision weights")
+    moment_dtype: str = opt("float32", "fused_adam / te_fused_adam: dtype of exp_avg and exp_avg_sq",
+                            choices=("float32", "bfloat16"))
+    store_param_remainders: bool = opt(False, "fused_adam / te_fused_adam: keep only the 16 low bits of FP32 "
+                                              "masters of BF16 params (saves memory)")
 
 
 @dataclass
@@ -137,6 +142,15 @@ class FP8:
     enable: bool = opt(False, "run linear layers in FP8 (te backend, needs an sm_89+ GPU)")
     recipe: str = opt("delayed", "delayed, current, block, mxfp8 or nvfp4 (the last two need Blackwell)",
                       choices=("delayed", "current", "block", "mxfp8", "nvfp4"))
+    fp8_format: str = opt("HYBRID", "HYBRID (E4M3 forward, E5M2 gradients) or E4M3", choices=("HYBRID", "E4M3"))
+    amax_history_len: int = opt(1024, "delayed scaling: amax history length")
+    amax_compute_algo: str = opt("max", "delayed scaling: max or most_recent", choices=("max", "most_recent"))
+    margin: int = opt(0, "delayed scaling: margin (power of two) for the scaling factor")
+    params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
+                              "needs an optimizer with FP32 master weights")
+    preserve_high_precision_init: bool = opt(True, "seed the optimizer's FP32 master weights from the "
+                                                   "pre-quantization init values")
+    bf16_layers: list = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
 
 
 @dataclass
@@ -207,7 +221,7 @@ def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
                 return False
             raise bad
         if tp is list:
-            return [v.strip() for v in text.split(",") if v.strip()]
+            return [_list_item(v.strip()) for v in text.split(",") if v.strip()]
         try:
             return tp(text)
         except ValueError:
@@ -231,6 +245,13 @@ def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
     if tp is str and isinstance(value, str):
         return value
     raise bad
+
+
+def _list_item(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
@@ -386,6 +407,10 @@ def _check_values(cfg: Config, where: str) -> None:
     _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)
     _positive("data.num_workers", cfg.data.num_workers, where, allow_zero=True)
     _positive("model.n_layers", cfg.model.n_layers, where, allow_zero=True)
+    _positive("fp8.amax_history_len", cfg.fp8.amax_history_len, where)
+    for idx in cfg.fp8.bf16_layers:
+        if not isinstance(idx, int):
+            raise ConfigError(f"fp8.bf16_layers holds block indices (ints), got {idx!r} {where}")
     if cfg.activation_checkpoint.mode == "every_n":
         _positive("activation_checkpoint.every_n", cfg.activation_checkpoint.every_n, where)
 

@@ -11,8 +11,8 @@ Build order (each stage receives only its own config section):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ from titan_te import config as config_mod
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import build_dataloader
 from titan_te.data.tokenizers import padded_vocab
+from titan_te.fp8 import FP8Context
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
@@ -76,13 +77,16 @@ class Trainer:
                                            t.seed, cfg.data.shuffle, cfg.data.num_workers,
                                            pin_memory=device_type == "cuda")
 
-        # 3. model on the meta device
+        # 3. model on the meta device (FP8 weights inside TE's quantized_model_init)
         self.backend = resolve_backend(cfg.model.backend, device_type)
+        logger.info(f"layer backend: {self.backend} (model.backend = {cfg.model.backend})")
+        self.fp8 = FP8Context(cfg.fp8, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         spec = MODELS.get(cfg.model.name)
         self.model_args = resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
                                        cfg.model.n_layers)
         with torch.device("meta"):
-            model = spec.build(self.model_args, self.backend)
+            model = spec.build(self.model_args, self.backend, fp8=self.fp8 if self.fp8.enabled else None,
+                               params_dtype=torch.float32)
         self.model = model  # the unwrapped module: names, init rules, state dicts
 
         # 4. activation checkpointing, compile, data parallelism
@@ -90,7 +94,11 @@ class Trainer:
         if cfg.compile.enable:
             apply_compile(model, self.backend)
         mp = mixed_precision(device_type, t.mixed_precision_param, t.mixed_precision_reduce)
-        self.train_model = PARALLELISMS.get(cfg.parallelism.data_parallel).apply(model, env, cfg.parallelism, mp)
+        parallel = PARALLELISMS.get(cfg.parallelism.data_parallel)
+        self.train_model = parallel.apply(model, env, cfg.parallelism, mp)
+        # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
+        self._amp = (device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
+        self._amp_dtype = mp.param_dtype
 
         # 5. materialize and initialize
         backend_spec = BACKENDS.get(self.backend)
@@ -99,7 +107,7 @@ class Trainer:
                 backend_spec.materialize(model, self.device)
             else:
                 model.to_empty(device=self.device)
-        init_weights(model, model.init_rule, t.seed, self.device)
+        init_weights(model, model.init_rule, t.seed, self.device, write=backend_spec.write)
         model.init_buffers(self.device)
 
         # 6. optimizer and LR schedule
@@ -140,6 +148,13 @@ class Trainer:
         return [{k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                  for k, v in b.items()} for b in batches]
 
+    def forward_context(self):
+        stack = contextlib.ExitStack()
+        if self._amp:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self._amp_dtype))
+        stack.enter_context(self.fp8.autocast())
+        return stack
+
     def train_step(self, microbatches) -> tuple[float, float, float]:
         """One optimizer step over the micro-batches; returns (global avg loss, max rank loss, grad norm)."""
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
@@ -150,7 +165,8 @@ class Trainer:
         # whatever the split into ranks and micro-batches.
         loss_sum = torch.zeros((), device=self.device)
         for mb in microbatches:
-            logits = self.train_model(mb["input"])
+            with self.forward_context():
+                logits = self.train_model(mb["input"])
             loss = F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum",
                                    ignore_index=IGNORE_INDEX) / global_tokens
             loss.backward()

@@ -8,9 +8,10 @@ from titan_te.registry import Registry
 @dataclass
 class BackendSpec:
     name: str
-    block: Callable  # block(args, layer_id) -> nn.Module with forward(x, rope_angles)
+    block: Callable  # block(args, layer_id, fp8=FP8Context|None, params_dtype=...) -> nn.Module
     available: Callable[[], str]  # "" when usable here, else the reason it is not
     materialize: Callable | None = None  # materialize(model, device) after sharding; default to_empty
+    write: Callable | None = None  # write(param_local, value) for init; default copy_
 
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")

@@ -5,6 +5,8 @@ Subclassing (instead of wrapping) keeps TE's parameter names at the top of the b
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from titan_te.layers import BACKENDS, BackendSpec
@@ -20,42 +22,82 @@ def te_unavailable_reason() -> str:
     return ""
 
 
-def te_block(args, layer_id: int):
+_BLOCK_CLASS = None
+
+
+def _block_class():
+    """The TEBlock class, defined once TE is importable."""
+    global _BLOCK_CLASS
+    if _BLOCK_CLASS is not None:
+        return _BLOCK_CLASS
     import transformer_engine.pytorch as te
 
     class TEBlock(te.TransformerLayer):
-        def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return super().forward(x, rotary_pos_emb=angles)
+        fp8_disabled = False  # blocks kept in bf16 by fp8.bf16_layers
+        checkpointed = False  # activation checkpointing through TE's own checkpoint
 
-    block = TEBlock(
-        hidden_size=args.dim,
-        ffn_hidden_size=args.ffn_dim,
-        num_attention_heads=args.n_heads,
-        num_gqa_groups=args.n_kv_heads,
-        layernorm_epsilon=args.norm_eps,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        layer_number=layer_id + 1,
-        self_attn_mask_type="causal",
-        fuse_qkv_params=True,
-        bias=False,
-        activation="swiglu",
-        normalization="RMSNorm",
-        attn_input_format="bshd",
-        params_dtype=torch.bfloat16,
-        device="meta",
-    )
+        def enable_activation_checkpoint(self) -> None:
+            self.checkpointed = True
+
+        def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            ctx = te.autocast(enabled=False) if self.fp8_disabled else contextlib.nullcontext()
+            with ctx:
+                if self.checkpointed and torch.is_grad_enabled():
+                    return te.distributed.checkpoint(super().forward, x, rotary_pos_emb=angles,
+                                                     use_reentrant=False)
+                return super().forward(x, rotary_pos_emb=angles)
+
+    _BLOCK_CLASS = TEBlock
+    return TEBlock
+
+
+def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32):
+    keep_bf16 = fp8 is not None and layer_id in fp8.bf16_block_ids(args.n_layers)
+    init_ctx = fp8.model_init() if fp8 is not None and not keep_bf16 else contextlib.nullcontext()
+    with init_ctx:
+        block = _block_class()(
+            hidden_size=args.dim,
+            ffn_hidden_size=args.ffn_dim,
+            num_attention_heads=args.n_heads,
+            num_gqa_groups=args.n_kv_heads,
+            layernorm_epsilon=args.norm_eps,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            layer_number=layer_id + 1,
+            self_attn_mask_type="causal",
+            fuse_qkv_params=True,
+            bias=False,
+            activation="swiglu",
+            normalization="RMSNorm",
+            attn_input_format="bshd",
+            params_dtype=params_dtype,
+            device="meta",
+        )
     block.layer_id = layer_id
+    block.fp8_disabled = keep_bf16
     return block
 
 
 def te_materialize(model, device) -> None:
-    """Allocate meta parameters: TE modules through reset_parameters(), the rest through to_empty."""
+    """Allocate meta parameters: TE modules through reset_parameters() (which also quantizes FP8
+    weights, shard by shard), everything else through to_empty."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
     for module in model.modules():
-        if hasattr(module, "reset_parameters") and type(module).__module__.startswith("transformer_engine"):
+        if isinstance(module, TransformerEngineBaseModule):
             module.reset_parameters()
     model.to_empty(device=device, recurse=True)
 
 
+def te_write(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Store an init value in a parameter; FP8 (QuantizedTensor) weights quantize it."""
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+
+    if isinstance(target, QuantizedTensor):
+        target.quantize_(value.to(torch.float32))
+    else:
+        target.copy_(value)
+
+
 BACKENDS.register("te")(BackendSpec(name="te", block=te_block, available=te_unavailable_reason,
-                                    materialize=te_materialize))
+                                    materialize=te_materialize, write=te_write))

@@ -76,7 +76,7 @@ class LayerNormMLP(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, args, layer_id: int):
+    def __init__(self, args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.layer_id = layer_id
         self.self_attention = SelfAttention(args)

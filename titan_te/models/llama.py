@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_te.models import MODELS, ModelSpec
 
@@ -117,10 +116,12 @@ class Llama(nn.Module):
         return self.output(h).float()
 
 
-def build_llama(args: LlamaArgs, backend: str) -> Llama:
+def build_llama(args: LlamaArgs, backend: str, **block_options) -> Llama:
+    """block_options (fp8, params_dtype) go to the backend's block builder."""
     from titan_te.layers import BACKENDS
 
-    return Llama(args, BACKENDS.get(backend).block)
+    block = BACKENDS.get(backend).block
+    return Llama(args, lambda a, i: block(a, i, **block_options))
 
 
 def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:

@@ -10,6 +10,7 @@ class ParallelSpec:
     name: str
     # apply(model, dist_env, parallelism_cfg, mp_policy_dtypes) -> model, called on the meta model
     apply: Callable
+    casts_params: bool = False  # True when it applies the mixed-precision policy itself (FSDP2)
 
 
 PARALLELISMS: Registry[ParallelSpec] = Registry("data parallelism")

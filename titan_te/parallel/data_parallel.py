@@ -54,8 +54,9 @@ def apply_none(model, env, pcfg, mp):
     return model
 
 
-for _name, _fn in {"fsdp": apply_fsdp, "hsdp": apply_hsdp, "ddp": apply_ddp, "none": apply_none}.items():
-    PARALLELISMS.register(_name)(ParallelSpec(name=_name, apply=_fn))
+for _name, _fn, _casts in [("fsdp", apply_fsdp, True), ("hsdp", apply_hsdp, True), ("ddp", apply_ddp, False),
+                           ("none", apply_none, False)]:
+    PARALLELISMS.register(_name)(ParallelSpec(name=_name, apply=_fn, casts_params=_casts))
 
 
 def mixed_precision(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:

@@ -14,7 +14,11 @@ def apply_activation_checkpoint(model, acfg) -> None:
         return
     every = 1 if acfg.mode == "full" else acfg.every_n
     for key, block in list(model.layers.items()):
-        if int(key) % every == 0:
+        if int(key) % every:
+            continue
+        if hasattr(block, "enable_activation_checkpoint"):  # the block brings its own (TE's checkpoint)
+            block.enable_activation_checkpoint()
+        else:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 

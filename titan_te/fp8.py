@@ -1,0 +1,83 @@
+"""FP8 with Transformer Engine: recipes, the FP8-weight init context and the forward autocast.
+
+Each recipe builder is registered by its `fp8.recipe` name. Imports of TE stay inside functions so
+the CPU-only paths never need it.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from titan_te.registry import Registry
+
+RECIPES: Registry = Registry("fp8 recipe")  # name -> build(fp8_cfg) -> te recipe object
+
+
+def _format(fcfg):
+    from transformer_engine.common.recipe import Format
+
+    return getattr(Format, fcfg.fp8_format)
+
+
+@RECIPES.register("delayed")
+def _delayed(fcfg):
+    from transformer_engine.common.recipe import DelayedScaling
+
+    return DelayedScaling(fp8_format=_format(fcfg), amax_history_len=fcfg.amax_history_len,
+                          amax_compute_algo=fcfg.amax_compute_algo, margin=fcfg.margin)
+
+
+@RECIPES.register("current")
+def _current(fcfg):
+    from transformer_engine.common.recipe import Float8CurrentScaling
+
+    return Float8CurrentScaling(fp8_format=_format(fcfg))
+
+
+@RECIPES.register("block")
+def _block(fcfg):
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    return Float8BlockScaling(fp8_format=_format(fcfg))
+
+
+@RECIPES.register("mxfp8")
+def _mxfp8(fcfg):
+    from transformer_engine.common.recipe import MXFP8BlockScaling
+
+    return MXFP8BlockScaling(fp8_format=_format(fcfg))
+
+
+@RECIPES.register("nvfp4")
+def _nvfp4(fcfg):
+    from transformer_engine.common.recipe import NVFP4BlockScaling
+
+    return NVFP4BlockScaling()
+
+
+class FP8Context:
+    """Everything the trainer needs from the [fp8] section."""
+
+    def __init__(self, fcfg, amax_group=None):
+        self.cfg = fcfg
+        self.enabled = fcfg.enable
+        self.recipe = RECIPES.get(fcfg.recipe)(fcfg) if fcfg.enable else None
+        self.amax_group = amax_group
+
+    def model_init(self):
+        """Context for building the model: FP8 weights when fp8.params is on."""
+        if not (self.enabled and self.cfg.params):
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        return te.quantized_model_init(enabled=True, recipe=self.recipe)
+
+    def bf16_block_ids(self, n_layers: int) -> set[int]:
+        return {i % n_layers for i in self.cfg.bf16_layers}
+
+    def autocast(self):
+        """Context for the forward pass; amaxes are reduced over the data-parallel group."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        return te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)

@@ -1,0 +1,20 @@
+"""`te_fused_adam`: Transformer Engine's FusedAdam as shipped (CUDA only)."""
+from __future__ import annotations
+
+import torch
+
+from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim.param_groups import decay_groups
+
+
+def build_te_fused_adam(named_params, ocfg, device_type: str):
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    moment = getattr(torch, ocfg.moment_dtype)
+    return FusedAdam(decay_groups(named_params, ocfg.weight_decay), lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
+                     eps=ocfg.eps, adam_w_mode=True, master_weights=ocfg.master_weights,
+                     master_weight_dtype=torch.float32, exp_avg_dtype=moment, exp_avg_sq_dtype=moment,
+                     store_param_remainders=ocfg.store_param_remainders)
+
+
+OPTIMIZERS.register("te_fused_adam")(OptimizerSpec(name="te_fused_adam", build=build_te_fused_adam))
