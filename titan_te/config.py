@@ -128,13 +128,19 @@ class Metrics:
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save DCP checkpoints and resume from the newest one")
-    folder: str = opt("checkpoint", "checkpoint folder inside the run folder")
+    folder: str = opt("checkpoint", "checkpoint folder inside the run folder (or an absolute path)")
     interval: int = opt(500, "save every N steps (the last step is always saved)")
-    async_mode: str = opt("disabled", "disabled, async or async_with_pinned_mem",
+    async_mode: str = opt("disabled", "disabled, async (background write) or async_with_pinned_mem "
+                                      "(staging into pinned memory overlaps training too)",
                           choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)")
     load_step: int = opt(-1, "step to resume from (-1: newest complete checkpoint)")
-    exclude_from_loading: list = opt([], "parts not restored on resume, e.g. dataloader,optimizer")
+    exclude_from_loading: list = opt([], "parts not restored on resume: model, optimizer, lr_scheduler, "
+                                         "dataloader, train_state, rng")
+    initial_load_path: str = opt("", "Hugging Face Llama folder (safetensors) to start from when the run "
+                                     "has no checkpoint yet (fine-tuning)")
+    last_save_model_only: bool = opt(False, "the final save holds only the model weights (in export_dtype)")
+    export_dtype: str = opt("float32", "dtype of model-only saves", choices=("float32", "bfloat16"))
 
 
 @dataclass
@@ -432,7 +438,7 @@ def _check_values(cfg: Config, where: str) -> None:
         raise ConfigError(f"training.global_batch_size = {gbs} is not divisible by local_batch_size x "
                           f"data-parallel degree = {t.local_batch_size} x {dp[0] * dp[1]} = {per_step} {where}")
     ck = cfg.checkpoint
-    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
     for part in ck.exclude_from_loading:
         if part not in parts:
             raise ConfigError(f"checkpoint.exclude_from_loading: unknown part '{part}'"

@@ -7,6 +7,7 @@ from titan_te import config as config_mod
 from titan_te.logging_setup import setup_logging
 
 EXIT_CONFIG_ERROR = 2
+EXIT_CHECKPOINT_ERROR = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(config_mod.to_toml(cfg))
         return 0
     setup_logging()
+    from titan_te.checkpoint import CheckpointError
     from titan_te.parallel.dist import shutdown
+    from titan_te.preemption import EXIT_PREEMPTED, Preempted
     from titan_te.trainer import Trainer
 
     try:
@@ -35,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     except config_mod.ConfigError as e:  # found only once data or hardware is touched
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except CheckpointError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return EXIT_CHECKPOINT_ERROR
+    except Preempted as e:
+        print(f"preempted: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     finally:
         shutdown()
     return 0

@@ -7,7 +7,8 @@ Build order (each stage receives only its own config section):
  4. activation checkpointing, compile, then the parallelism from its registry (fully_shard ...)
  5. materialize and initialize the weights (the same full weights for any world size)
  6. optimizer and LR schedule
- 7. metrics (and, from the checkpoint manager, resume)
+ 7. checkpoint manager: resume from the newest complete checkpoint (or start from HF weights)
+ 8. metrics
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_te import config as config_mod
+from titan_te.checkpoint import CheckpointManager
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import build_dataloader
 from titan_te.data.tokenizers import padded_vocab
@@ -37,6 +39,7 @@ from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dist import init_distributed
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
+from titan_te.preemption import Preempted, PreemptionGuard
 from titan_te.train_utils import clip_grad_norm, set_determinism
 
 logger = logging.getLogger("titan_te")
@@ -115,8 +118,18 @@ class Trainer:
                                                                   device_type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
-        # 7. metrics
+        # 7. checkpoints: resume, or start from Hugging Face weights
         self.state = TrainState()
+        self.checkpointer = CheckpointManager(cfg.checkpoint, self.run_folder, model, self.optimizer,
+                                              self.lr_scheduler, self.dataloader, self.state, env)
+        resumed = self.checkpointer.load()
+        if not resumed and cfg.checkpoint.initial_load_path:
+            from titan_te.hf_io import load_hf_weights
+
+            load_hf_weights(model, cfg.checkpoint.initial_load_path, backend_spec.write)
+            logger.info(f"initial weights from {cfg.checkpoint.initial_load_path}")
+
+        # 8. metrics
         self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum * env.dp_world
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
                                      self.model_args.flops_per_token(t.seq_len), t.steps)
@@ -172,6 +185,7 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        self.checkpointer.wait_for_staging()  # a pinned-memory snapshot must not see this update
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -180,25 +194,40 @@ class Trainer:
         dist.all_reduce(rank_loss, op=dist.ReduceOp.MAX)
         return loss_sum.item(), rank_loss.item(), grad_norm
 
-    def train(self) -> list[float]:
+    def train(self, until_step: int | None = None) -> list[float]:
+        """Train to training.steps (or stop after `until_step`, as a crash would); returns the losses."""
         t = self.cfg.training
+        stop_at = min(until_step or t.steps, t.steps)
         self._data_iter = iter(self.dataloader)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
-        while self.state.step < t.steps:
-            t0 = time.perf_counter()
-            microbatches = self._next_microbatches()
-            t_data = time.perf_counter() - t0
-            lr = self.optimizer.param_groups[0]["lr"]
-            loss, max_loss, gnorm = self.train_step(microbatches)
-            self.state.step += 1
-            self.state.tokens_seen += self.tokens_per_step
-            self.losses.append(loss)
-            epoch = int(microbatches[-1]["epoch"].max())
-            self.metrics.record(StepStats(self.state.step, loss, max_loss, gnorm, lr,
-                                          self.tokens_per_step // self.env.dp_world,
-                                          time.perf_counter() - t0, t_data, epoch))
-        self._final_summary()
+        with PreemptionGuard() as preempt:
+            while self.state.step < stop_at:
+                t0 = time.perf_counter()
+                microbatches = self._next_microbatches()
+                t_data = time.perf_counter() - t0
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, max_loss, gnorm = self.train_step(microbatches)
+                self.state.step += 1
+                self.state.tokens_seen += self.tokens_per_step
+                self.losses.append(loss)
+                step = self.state.step
+                ck = self.checkpointer
+                ck.finish_pending()
+                stop = preempt.requested_everywhere()
+                saved = ck.should_save(step, last=step == t.steps) or (stop and ck.enabled)
+                if saved:
+                    ck.save(step, last=step == t.steps or stop)
+                extra = {"checkpoint/blocked_s": ck.last_blocked_s} if saved else {}
+                epoch = int(microbatches[-1]["epoch"].max())
+                self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr,
+                                              self.tokens_per_step // self.env.dp_world,
+                                              time.perf_counter() - t0, t_data, epoch, extra))
+                if stop:
+                    raise Preempted(step, ck.enabled)
+        self.checkpointer.finish_pending(wait=True)
+        if self.state.step >= t.steps:
+            self._final_summary()
         return self.losses
 
     def _final_summary(self) -> None:
@@ -209,4 +238,5 @@ class Trainer:
                     f"{m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} GiB")
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()

@@ -1,0 +1,148 @@
+"""Hugging Face Llama safetensors <-> titan_te parameter names (TE layout).
+
+Mapping per block i (HF name <- ours):
+  input_layernorm            <- self_attention.layernorm_qkv.layer_norm_weight
+  q_proj, k_proj, v_proj     <- self_attention.layernorm_qkv.weight (per KV group: [q heads, k, v])
+  o_proj                     <- self_attention.proj.weight
+  post_attention_layernorm   <- layernorm_mlp.layer_norm_weight
+  gate_proj, up_proj         <- layernorm_mlp.fc1_weight ([gate; up])
+  down_proj                  <- layernorm_mlp.fc2_weight
+Both sides use the rotate-half RoPE layout, so q/k need no permutation.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_te.init_weights import local_shard
+
+SHARD_BYTES = 5 * 2**30
+
+
+def to_hf(sd: dict, args) -> dict:
+    """Our full (unsharded) model state -> HF LlamaForCausalLM tensors."""
+    hd, nh, nkv = args.head_dim, args.n_heads, args.n_kv_heads
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"],
+           "lm_head.weight": sd["output.weight"]}
+    for i in range(args.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        qkv = sd[p + "self_attention.layernorm_qkv.weight"].view(nkv, nh // nkv + 2, hd, args.dim)
+        out[h + "self_attn.q_proj.weight"] = qkv[:, :-2].reshape(nh * hd, args.dim)
+        out[h + "self_attn.k_proj.weight"] = qkv[:, -2].reshape(nkv * hd, args.dim)
+        out[h + "self_attn.v_proj.weight"] = qkv[:, -1].reshape(nkv * hd, args.dim)
+        out[h + "self_attn.o_proj.weight"] = sd[p + "self_attention.proj.weight"]
+        out[h + "input_layernorm.weight"] = sd[p + "self_attention.layernorm_qkv.layer_norm_weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[p + "layernorm_mlp.layer_norm_weight"]
+        gate, up = sd[p + "layernorm_mlp.fc1_weight"].chunk(2, dim=0)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        out[h + "mlp.down_proj.weight"] = sd[p + "layernorm_mlp.fc2_weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_hf(hf: dict, args) -> dict:
+    """HF LlamaForCausalLM tensors -> our full model state."""
+    hd, nh, nkv = args.head_dim, args.n_heads, args.n_kv_heads
+    sd = {"tok_embeddings.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
+          "output.weight": hf.get("lm_head.weight", hf["model.embed_tokens.weight"])}
+    for i in range(args.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        q = hf[h + "self_attn.q_proj.weight"].view(nkv, nh // nkv, hd, args.dim)
+        k = hf[h + "self_attn.k_proj.weight"].view(nkv, 1, hd, args.dim)
+        v = hf[h + "self_attn.v_proj.weight"].view(nkv, 1, hd, args.dim)
+        sd[p + "self_attention.layernorm_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, args.dim)
+        sd[p + "self_attention.proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        sd[p + "self_attention.layernorm_qkv.layer_norm_weight"] = hf[h + "input_layernorm.weight"]
+        sd[p + "layernorm_mlp.layer_norm_weight"] = hf[h + "post_attention_layernorm.weight"]
+        sd[p + "layernorm_mlp.fc1_weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
+                                                        hf[h + "mlp.up_proj.weight"]], dim=0)
+        sd[p + "layernorm_mlp.fc2_weight"] = hf[h + "mlp.down_proj.weight"]
+    return sd
+
+
+def hf_config(args, dtype: str) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": args.dim,
+        "intermediate_size": args.ffn_dim, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "num_hidden_layers": args.n_layers, "head_dim": args.head_dim,
+        "rms_norm_eps": args.norm_eps, "rope_theta": args.rope_theta, "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
+    }
+    if args.rope_scaling_factor != 1.0:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": args.rope_scaling_factor,
+                               "low_freq_factor": args.rope_low_freq_factor,
+                               "high_freq_factor": args.rope_high_freq_factor,
+                               "original_max_position_embeddings": args.rope_original_max_pos}
+    return cfg
+
+
+def save_hf_folder(tensors: dict, config: dict, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """model.safetensors, or shards plus model.safetensors.index.json past shard_bytes."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def read_hf_folder(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder} holds no model.safetensors or model.safetensors.index.json")
+    out = {}
+    for f in files:
+        out.update(load_file(str(folder / f)))
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(model, folder: str, write=None) -> None:
+    """Load a HF Llama folder into a (possibly sharded) model, each rank copying its own shard."""
+    from titan_te.config import ConfigError
+
+    try:
+        hf = read_hf_folder(Path(folder))
+        sd = from_hf(hf, model.args)
+    except (FileNotFoundError, KeyError, RuntimeError) as e:
+        raise ConfigError(f"checkpoint.initial_load_path = {folder}: not a Llama safetensors folder matching "
+                          f"this model ({type(e).__name__}: {e})") from None
+    for name, p in model.named_parameters():
+        from titan_te.init_weights import clean_name
+
+        full = sd[clean_name(name)]
+        if tuple(full.shape) != tuple(p.shape):
+            raise ConfigError(f"checkpoint.initial_load_path: {name} has shape {tuple(full.shape)} in {folder}, "
+                              f"the model expects {tuple(p.shape)}")
+        value = local_shard(full.to(device=p.device if not isinstance(p, DTensor) else p.to_local().device,
+                                    dtype=torch.float32), p)
+        target = p.to_local() if isinstance(p, DTensor) else p
+        (write or (lambda t, v: t.copy_(v)))(target, value)
