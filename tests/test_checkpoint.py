@@ -75,17 +75,26 @@ def test_resume_is_bit_exact(world, mode, tmp_path, reference):
     assert reference[1] == pytest.approx(reference[2], abs=1e-5)
 
 
+OPTIMIZERS = {"adamw": {"name": "adamw"}, "fused_adam": {"name": "fused_adam"},
+              "fused_adam_bf16_moments": {"name": "fused_adam", "moment_dtype": "bfloat16"}}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("saved_world, loaded_world", [(2, 1), (1, 2)])
-def test_reshard_model_and_optimizer_exactly(saved_world, loaded_world, tmp_path):
-    run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, {})
-    ref = run_ranks(_full_state, saved_world, str(tmp_path), {})[0]
-    excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}}
+def test_reshard_model_and_optimizer_exactly(saved_world, loaded_world, optimizer, tmp_path):
+    opt = {"optimizer": OPTIMIZERS[optimizer]}
+    run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, opt)
+    ref = run_ranks(_full_state, saved_world, str(tmp_path), opt)[0]
+    excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}, **opt}
     got = run_ranks(_full_state, loaded_world, str(tmp_path), excl)[0]
     assert ref[0] == got[0] == 5
     for part in (1, 2):
         assert ref[part].keys() == got[part].keys() and ref[part]
         for k in ref[part]:
+            assert ref[part][k].dtype == got[part][k].dtype, k
             assert torch.equal(ref[part][k], got[part][k]), k
+    moments = {t.dtype for k, t in got[2].items() if k.endswith("exp_avg")}
+    assert moments == {getattr(torch, OPTIMIZERS[optimizer].get("moment_dtype", "float32"))}
 
 
 def test_reshard_without_excluding_dataloader_names_the_option(tmp_path):

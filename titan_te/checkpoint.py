@@ -116,10 +116,13 @@ class CheckpointManager:
         if self.enabled and ckcfg.async_mode != "disabled":
             # Background saves talk on their own gloo group so they never queue behind NCCL work.
             self.pg = dist.new_group(backend="gloo")
-        if self.enabled and ckcfg.async_mode == "async_with_pinned_mem":
+        if self.enabled and ckcfg.async_mode != "disabled":
+            # Both async modes stage (copy the state off the live tensors) in the background while the
+            # next forward/backward runs; the optimizer step waits for it (wait_for_staging). The pinned
+            # mode stages into reusable page-locked buffers with non-blocking device-to-host copies.
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            pinned = torch.cuda.is_available()
+            pinned = ckcfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                                        use_async_staging=True, use_non_blocking_copy=pinned))
 
@@ -164,9 +167,6 @@ class CheckpointManager:
             if mode == "disabled":
                 dcp.save(state, checkpoint_id=str(tmp))
                 self._publish(step, tmp)
-            elif mode == "async":
-                fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg)
-                self._pending = (step, tmp, fut)
             else:
                 resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                       async_stager=self.stager)

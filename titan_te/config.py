@@ -56,6 +56,8 @@ class Model:
     backend: str = opt("auto", "layer backend: auto (te when CUDA and TE are present), torch or te",
                        registry="titan_te.layers:BACKENDS")
     n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)")
+    fuse_wgrad_accumulation: bool = opt(False, "te backend: accumulate weight gradients into param.main_grad "
+                                               "(not supported: bypasses the data-parallel reduction)")
 
 
 @dataclass
@@ -130,8 +132,9 @@ class Checkpoint:
     enable: bool = opt(False, "save DCP checkpoints and resume from the newest one")
     folder: str = opt("checkpoint", "checkpoint folder inside the run folder (or an absolute path)")
     interval: int = opt(500, "save every N steps (the last step is always saved)")
-    async_mode: str = opt("disabled", "disabled, async (background write) or async_with_pinned_mem "
-                                      "(staging into pinned memory overlaps training too)",
+    async_mode: str = opt("disabled", "disabled (training waits for the write), async (copy and write "
+                                      "in the background) or async_with_pinned_mem (copy into reused pinned "
+                                      "buffers)",
                           choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)")
     load_step: int = opt(-1, "step to resume from (-1: newest complete checkpoint)")
@@ -437,6 +440,13 @@ def _check_values(cfg: Config, where: str) -> None:
     if gbs % per_step:
         raise ConfigError(f"training.global_batch_size = {gbs} is not divisible by local_batch_size x "
                           f"data-parallel degree = {t.local_batch_size} x {dp[0] * dp[1]} = {per_step} {where}")
+    if cfg.model.fuse_wgrad_accumulation:
+        why = ("TE then writes each weight gradient into param.main_grad instead of param.grad, so FSDP2 never "
+               "reduce-scatters it and every rank would step on its own unreduced gradient"
+               if p.data_parallel in ("fsdp", "hsdp") else
+               "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
+        raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
+                          f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
     ck = cfg.checkpoint
     parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
     for part in ck.exclude_from_loading:

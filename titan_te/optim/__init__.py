@@ -14,4 +14,4 @@ class OptimizerSpec:
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
 LR_DECAYS: Registry[Callable[[float], float]] = Registry("lr decay")  # progress in [0, 1] -> factor in [0, 1]
 
-from titan_te.optim import adamw, lr_schedule, te_fused_adam  # noqa: E402,F401  (register entries)
+from titan_te.optim import adamw, fused_adam, lr_schedule, te_fused_adam  # noqa: E402,F401  (register entries)

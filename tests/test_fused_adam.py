@@ -1,0 +1,123 @@
+"""fused_adam against torch.optim.AdamW: FSDP2 shards on 2 gloo ranks, BF16 with masters, the trainer."""
+import pytest
+import torch
+
+from helpers import make_cfg, run_ranks
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.GELU(), torch.nn.Linear(24, 8, bias=False),
+                               torch.nn.LayerNorm(8))
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": HP["weight_decay"]}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _fsdp_vs_adamw(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_te.optim.fused_adam import FusedAdam
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world,))
+    ref, sharded = _model(), _model()
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    opt_ref = torch.optim.AdamW(_groups(ref), **{k: v for k, v in HP.items() if k != "weight_decay"})
+    opt = FusedAdam(_groups(sharded), **{k: v for k, v in HP.items() if k != "weight_decay"})
+    for step in range(10):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))  # same batch on every rank
+        for m, o in ((ref, opt_ref), (sharded, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    worst = max((a.full_tensor() - b).abs().max().item()
+                for a, b in zip(sharded.parameters(), ref.parameters()))
+    kinds = sorted({b.kind for b in opt._buckets})
+    return worst, kinds
+
+
+def test_fused_adam_on_fsdp2_shards_matches_adamw_on_the_full_model():
+    for worst, kinds in run_ranks(_fsdp_vs_adamw, 2):
+        assert kinds == ["fp32"]
+        assert worst < 1e-6
+
+
+def test_bf16_weights_with_fp32_masters_track_an_fp32_reference():
+    from titan_te.optim.fused_adam import FusedAdam
+
+    ref = _model()
+    low = _model().to(torch.bfloat16)
+    for p, q in zip(ref.parameters(), low.parameters()):
+        p.data.copy_(q.data.float())  # the same starting values
+    opt_ref = torch.optim.AdamW(_groups(ref), **{k: v for k, v in HP.items() if k != "weight_decay"})
+    opt = FusedAdam(_groups(low), **{k: v for k, v in HP.items() if k != "weight_decay"}, master_weights=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        for p, q in zip(ref.parameters(), low.parameters()):
+            g = torch.randn(p.shape, generator=gen).bfloat16()
+            p.grad, q.grad = g.float(), g
+        opt_ref.step()
+        opt.step()
+    for p, q in zip(ref.parameters(), low.parameters()):
+        master = opt.state[q]["master_param"]
+        assert master.dtype == torch.float32
+        assert (master - p).abs().max().item() < 1e-6  # the master carries the exact FP32 trajectory
+        assert torch.equal(q, p.bfloat16())  # the weight is its round-to-nearest BF16 image
+        assert opt.state[q]["exp_avg"].dtype == torch.float32
+
+
+def test_bf16_moments_are_stored_in_bf16_and_close_to_fp32_moments():
+    from titan_te.optim.fused_adam import FusedAdam
+
+    a, b = _model(), _model()
+    opt_a = FusedAdam(_groups(a), **{k: v for k, v in HP.items() if k != "weight_decay"})
+    opt_b = FusedAdam(_groups(b), **{k: v for k, v in HP.items() if k != "weight_decay"},
+                      moment_dtype=torch.bfloat16)
+    x = torch.randn(4, 16)
+    for _ in range(5):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert opt_b.state[q]["exp_avg"].dtype == torch.bfloat16
+        assert (p - q).abs().max().item() < 2e-3
+
+
+def test_unsupported_combinations_are_refused_with_the_option_named():
+    from titan_te.config import ConfigError
+    from titan_te.optim.fused_adam import FusedAdam
+
+    low = _model().to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="store_param_remainders needs CUDA and Transformer Engine"):
+        FusedAdam(low.parameters(), store_param_remainders=True)
+    with pytest.raises(ConfigError, match="not supported"):
+        FusedAdam([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+
+
+def _train(rank, world, tmp, name):
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(make_cfg(tmp, world=world, training={"steps": 10, "deterministic": True,
+                                                      "global_batch_size": 4},
+                          optimizer={"name": name}))
+    losses = tr.train()
+    tr.close()
+    return losses
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_trainer_losses_with_fused_adam_equal_adamw(tmp_path, world):
+    adamw = run_ranks(_train, world, str(tmp_path / "a"), "adamw")[0]
+    fused = run_ranks(_train, world, str(tmp_path / "f"), "fused_adam")[0]
+    assert len(fused) == 10 and fused[-1] < fused[0]
+    assert fused == pytest.approx(adamw, rel=1e-5)

@@ -1,0 +1,281 @@
+"""`fused_adam`: AdamW over local shards, for FP32, BF16/FP16 and TE FP8 (QuantizedTensor) weights.
+
+Every parameter, gradient and state is unwrapped from its DTensor once; the local tensors are
+grouped into buckets (param group x parameter kind) and each bucket is updated by one multi-tensor
+kernel per step: TE's `multi_tensor_adam` family on CUDA when TE is importable, torch `_foreach_`
+math otherwise. States are kept as DTensors that share storage with the local tensors, so
+`torch.distributed.checkpoint` saves and reshards them.
+
+Kinds (the `kind` of a bucket):
+  fp32          FP32 weights, updated in place (no master copy: it would only go stale)
+  lowp          BF16/FP16 weights, no master: updated in their own dtype
+  lowp_master   BF16/FP16 weights with FP32 masters: the master is updated, the weight rounded from it
+  lowp_remain   BF16 weights + int16 remainders of the FP32 master (store_param_remainders, TE kernel)
+  quantized     TE FP8 weights with FP32 masters: the master is updated, the weight re-quantized from it
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_te.config import ConfigError
+from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim.param_groups import decay_groups
+
+TE_CHUNK = 2048 * 32  # elements per block of TE's multi-tensor kernels
+TE_MAX_TENSORS = 1024  # tensors per kernel call
+
+
+class FusedAdamError(ConfigError):
+    """A parameter/option combination this optimizer will not run silently wrong."""
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _is_quantized(t) -> bool:
+    try:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+    except ImportError:
+        return False
+    return isinstance(t, QuantizedTensor)
+
+
+def _te_kernels():
+    """TE's multi-tensor Adam kernels, or None without TE / CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import transformer_engine_torch as tex
+    except ImportError:
+        return None
+    return tex
+
+
+@dataclass
+class Bucket:
+    group: dict
+    kind: str
+    params: list  # the nn.Parameters (DTensor or plain)
+    weights: list = field(default_factory=list)  # local tensors written each step (plain, or QuantizedTensor)
+    masters: list = field(default_factory=list)  # local FP32 masters (or int16 remainders)
+    exp_avg: list = field(default_factory=list)
+    exp_avg_sq: list = field(default_factory=list)
+
+
+class FusedAdam(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 master_weights: bool = True, moment_dtype: torch.dtype = torch.float32,
+                 store_param_remainders: bool = False, use_te_kernels: bool | None = None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
+        super().__init__(params, defaults)
+        self.master_weights = master_weights
+        self.moment_dtype = moment_dtype
+        self.store_param_remainders = store_param_remainders
+        kernels = _te_kernels()
+        if use_te_kernels and kernels is None:
+            raise FusedAdamError("fused_adam: TE kernels requested but Transformer Engine or CUDA is missing")
+        self._te = kernels if use_te_kernels is not False else None
+        self._buckets: list[Bucket] | None = None
+        self._noop = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._kind(p)  # refuse unsupported combinations now, not at the first step
+
+    # --- classification ------------------------------------------------------------------------
+    def _kind(self, p) -> str:
+        local = _local(p)
+        if _is_quantized(local):
+            if not self.master_weights:
+                raise FusedAdamError(
+                    "fused_adam: FP8 weights need optimizer.master_weights = true (an FP8 weight cannot hold "
+                    "an Adam update; TE's FusedAdam silently never updates delayed-scaling FP8 weights "
+                    "without masters)")
+            return "quantized"
+        if local.dtype == torch.float32:
+            return "fp32"
+        if local.dtype in (torch.bfloat16, torch.float16):
+            if self.store_param_remainders and self.master_weights:
+                if local.dtype != torch.bfloat16:
+                    raise FusedAdamError("fused_adam: store_param_remainders works with BF16 weights only")
+                if self._te is None:
+                    raise FusedAdamError("fused_adam: store_param_remainders needs CUDA and Transformer "
+                                         "Engine's multi_tensor_adam_param_remainder kernel")
+                return "lowp_remain"
+            return "lowp_master" if self.master_weights else "lowp"
+        raise FusedAdamError(f"fused_adam: parameters of dtype {local.dtype} are not supported")
+
+    # --- state -----------------------------------------------------------------------------------
+    @staticmethod
+    def _wrap_like(p, local: torch.Tensor):
+        if isinstance(p, DTensor):
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        return local
+
+    @torch.no_grad()
+    def _init_state(self, p) -> None:
+        kind = self._kind(p)
+        local = _local(p)
+        high = local.dequantize() if kind == "quantized" else local
+        if kind == "quantized":
+            init = getattr(p, "get_high_precision_init_val", None) or getattr(local, "get_high_precision_init_val",
+                                                                                None)
+            value = init() if init is not None else None
+            if value is not None:  # fp8.preserve_high_precision_init: masters from the unquantized init
+                high = _local(value).to(local.device)
+        state = self.state[p]
+        shape = local.shape
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name] = self._wrap_like(p, torch.zeros(shape, dtype=self.moment_dtype, device=local.device))
+        if kind in ("lowp_master", "quantized"):
+            state["master_param"] = self._wrap_like(p, high.detach().float().clone().reshape(shape))
+        elif kind == "lowp_remain":
+            state["master_param"] = self._wrap_like(p, torch.zeros(shape, dtype=torch.int16, device=local.device))
+
+    def _build_buckets(self) -> list[Bucket]:
+        buckets: dict[tuple[int, str], Bucket] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if len(self.state[p]) == 0:
+                    self._init_state(p)
+                kind = self._kind(p)
+                b = buckets.setdefault((gi, kind), Bucket(group, kind, []))
+                s = self.state[p]
+                b.params.append(p)
+                b.weights.append(_local(p))
+                b.exp_avg.append(_local(s["exp_avg"]))
+                b.exp_avg_sq.append(_local(s["exp_avg_sq"]))
+                if "master_param" in s:
+                    b.masters.append(_local(s["master_param"]))
+        return list(buckets.values())
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        self._buckets = None
+
+    def load_state_dict(self, state_dict) -> None:
+        """Copy saved states into ours, keeping the configured dtypes (FP32 masters, moment_dtype)."""
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if len(self.state[p]) == 0:
+                    self._init_state(p)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("fused_adam: the saved optimizer has a different number of parameter groups")
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("fused_adam: a saved parameter group has a different number of parameters")
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+            for pid, p in zip(saved["params"], group["params"]):
+                for name, value in state_dict["state"].get(pid, {}).items():
+                    if name not in self.state[p]:
+                        continue
+                    dst = _local(self.state[p][name])
+                    src = _local(value) if torch.is_tensor(value) else torch.as_tensor(value)
+                    if src.data_ptr() != dst.data_ptr():
+                        with torch.no_grad():
+                            dst.copy_(src.reshape(dst.shape))
+        self._buckets = None
+
+    # --- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if self._buckets is None:
+            self._buckets = self._build_buckets()
+        for group in self.param_groups:
+            group["step"] += 1
+        for b in self._buckets:
+            grads, keep = [], []
+            for i, p in enumerate(b.params):
+                if p.grad is not None:
+                    grads.append(_local(p.grad))
+                    keep.append(i)
+            if not grads:
+                continue
+            sel = (lambda xs: xs) if len(keep) == len(b.params) else (lambda xs: [xs[i] for i in keep])
+            self._update(b, grads, sel)
+        return loss
+
+    def _update(self, b: Bucket, grads, sel) -> None:
+        g = b.group
+        lr, (beta1, beta2), eps, wd, step = g["lr"], g["betas"], g["eps"], g["weight_decay"], g["step"]
+        lr = float(lr)
+        weights, m, v = sel(b.weights), sel(b.exp_avg), sel(b.exp_avg_sq)
+        masters = sel(b.masters) if b.masters else []
+        lowp_moments = self.moment_dtype != torch.float32
+        if lowp_moments:  # compute in FP32, store rounded
+            m_store, v_store = m, v
+            m, v = [t.float() for t in m], [t.float() for t in v]
+        if self._te is not None:
+            self._te_update(b.kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
+        else:
+            self._torch_update(b.kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
+        if lowp_moments:
+            torch._foreach_copy_(m_store, m)
+            torch._foreach_copy_(v_store, v)
+        if b.kind == "quantized":
+            for w, master in zip(weights, masters):
+                w.quantize_(master)
+
+    def _te_update(self, kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
+        tex = self._te
+        if self._noop is None:
+            self._noop = torch.zeros(1, dtype=torch.int, device=grads[0].device)
+        if kind == "fp32":
+            lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
+        elif kind == "lowp":
+            lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
+        elif kind == "lowp_master":
+            lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam
+        elif kind == "lowp_remain":
+            lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam_param_remainder
+        else:  # quantized: FP32 master is the parameter of the kernel; re-quantized afterwards
+            grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
+            lists, fn = [grads, masters, m, v], tex.multi_tensor_adam
+        if any(t.numel() == 0 for t in grads):  # an FSDP2 shard can be empty on some ranks
+            keep = [i for i, t in enumerate(grads) if t.numel()]
+            lists = [[lst[i] for i in keep] for lst in lists]
+        for start in range(0, len(lists[0]), TE_MAX_TENSORS):
+            fn(TE_CHUNK, self._noop, [lst[start:start + TE_MAX_TENSORS] for lst in lists], lr, beta1, beta2, eps,
+               step, 1, 1, wd)  # mode 1 = AdamW (decoupled decay), bias correction on
+
+    @staticmethod
+    def _torch_update(kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
+        if kind == "fp32":
+            targets = weights
+        elif kind == "lowp":
+            targets = [w.float() for w in weights]
+        else:  # lowp_master, quantized
+            targets = masters
+        grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+        if wd:
+            torch._foreach_mul_(targets, 1 - lr * wd)
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(targets, m, denom, -lr / bc1)
+        if kind in ("lowp", "lowp_master"):
+            torch._foreach_copy_(weights, targets)
+
+
+def build_fused_adam(named_params, ocfg, device_type: str) -> FusedAdam:
+    return FusedAdam(decay_groups(named_params, ocfg.weight_decay), lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
+                     eps=ocfg.eps, master_weights=ocfg.master_weights,
+                     moment_dtype=getattr(torch, ocfg.moment_dtype),
+                     store_param_remainders=ocfg.store_param_remainders,
+                     use_te_kernels=None if device_type == "cuda" else False)
+
+
+OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam))
