@@ -17,7 +17,8 @@ def make_cfg(tmp_path, world: int = 1, **sections) -> config_mod.Config:
     """A validated debug config writing into tmp_path; `sections` = {"training": {"steps": 5}, ...}."""
     data = {"job": {"dump_folder": str(tmp_path), "name": "t"},
             "training": {"steps": 5, "local_batch_size": 2, "seq_len": 32},
-            "metrics": {"log_freq": 1, "enable_tensorboard": False}}
+            "metrics": {"log_freq": 1, "enable_tensorboard": False},
+            "parallelism": {"comm_timeout_s": 120}}  # a crashed rank fails the test fast, never hangs CI
     for sec, body in sections.items():
         data.setdefault(sec, {}).update(body)
     cfg = config_mod.build(data, [])

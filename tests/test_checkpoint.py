@@ -153,6 +153,7 @@ def test_disk_full_keeps_training_and_previous_checkpoint(tmp_path, monkeypatch)
     assert sorted(p.name for p in ck.iterdir()) == ["step-5"]
     from titan_te.checkpoint import CheckpointError
 
+    monkeypatch.setattr(fs.FileSystemWriter, "write_data", full)  # the final save fails too: that is fatal
     with pytest.raises(CheckpointError, match="No space left on device.*newest good checkpoint is .*step-5"):
         tr.checkpointer.save(8, last=True)
 
@@ -174,7 +175,7 @@ def test_sigterm_saves_and_exits_with_documented_code_then_resumes(tmp_path):
     saved = [p.name for p in (tmp_path / "debug/checkpoint").iterdir()]
     assert len(saved) == 1 and saved[0].startswith("step-")
     step = int(saved[0].split("-")[1])
-    again = subprocess.run(args[:4] + [f"--training.steps={step + 2}"] + args[5:], capture_output=True, text=True,
+    again = subprocess.run(args[:3] + [f"--training.steps={step + 2}"] + args[4:], capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {tmp_path / 'debug/checkpoint' / saved[0]} (step {step})" in again.stdout

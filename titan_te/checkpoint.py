@@ -25,17 +25,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 logger = logging.getLogger("titan_te")
+# DCP reports a failure on any rank as CheckpointException, which derives from BaseException.
+SAVE_ERRORS = (Exception, CheckpointException)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 EXTRA_STATE = "_extra_state"
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be written or read; the message says what to do."""
+
+
+def describe(err: BaseException) -> str:
+    """One line for an error; DCP's CheckpointException is reduced to its first rank's cause."""
+    if isinstance(err, CheckpointException) and err.failures:
+        rank, wrapped = sorted(err.failures.items())[0]
+        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        return f"rank {rank}: {describe(cause)}"
+    text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,10 +125,14 @@ class CheckpointManager:
         self._deleter: threading.Thread | None = None
         self.last_blocked_s = 0.0  # how long the last save held training up
         self.pg = None
+        self.ctl_pg = None
         self.stager = None
         if self.enabled and ckcfg.async_mode != "disabled":
-            # Background saves talk on their own gloo group so they never queue behind NCCL work.
+            # Background saves talk on their own gloo group so they never queue behind NCCL work; the
+            # main thread asks "is every rank's write done?" on a second one, since two threads must
+            # never issue collectives on the same group at once.
             self.pg = dist.new_group(backend="gloo")
+            self.ctl_pg = dist.new_group(backend="gloo")
         if self.enabled and ckcfg.async_mode != "disabled":
             # Both async modes stage (copy the state off the live tensors) in the background while the
             # next forward/backward runs; the optimizer step waits for it (wait_for_staging). The pinned
@@ -172,7 +189,7 @@ class CheckpointManager:
                                       async_stager=self.stager)
                 self._staging = resp.staging_completion
                 self._pending = (step, tmp, resp.upload_completion)
-        except Exception as e:  # disk full, permissions, ...: keep training, keep the old checkpoints
+        except SAVE_ERRORS as e:  # disk full, permissions, ...: keep training, keep the old checkpoints
             self._discard(tmp)
             self._report_failure(step, e, fatal=last)
         self.last_blocked_s = time.perf_counter() - t0
@@ -200,14 +217,14 @@ class CheckpointManager:
         step, tmp, fut = self._pending
         if not wait:  # publish only when every rank's write is done: agree on it collectively
             done = torch.tensor([1 if fut.done() else 0])
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.pg)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ctl_pg)
             if not done.item():
                 return
         self._pending = None
         self.wait_for_staging()
         try:
             fut.result()
-        except Exception as e:
+        except SAVE_ERRORS as e:
             self._discard(tmp)
             self._report_failure(step, e, fatal=False)
             return
@@ -233,7 +250,7 @@ class CheckpointManager:
         good = complete_steps(self.folder)
         keep = f"the newest good checkpoint is {step_dir(self.folder, good[-1])}" if good else \
             "no earlier checkpoint exists"
-        msg = f"checkpoint save at step {step} into {self.folder} failed: {type(err).__name__}: {err}; {keep}"
+        msg = f"checkpoint save at step {step} into {self.folder} failed ({describe(err)}); {keep}"
         if fatal:
             raise CheckpointError(msg) from err
         logger.error(msg + "; training continues")
@@ -280,12 +297,11 @@ class CheckpointManager:
             self._load_from(path)
         except CheckpointError:
             raise
-        except Exception as e:
+        except SAVE_ERRORS as e:
             older = [s for s in steps if s < step]
             hint = (f"the newest older checkpoint is {step_dir(self.folder, older[-1])}; resume from it with "
                     f"--checkpoint.load_step={older[-1]}") if older else "no older checkpoint exists"
-            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:300] if str(e) else ''}); {hint}") from None
+            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable ({describe(e)}); {hint}") from None
         if self.rank == 0:
             logger.info(f"checkpoint: resumed from {path} (step {step})")
         return step

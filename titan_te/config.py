@@ -95,6 +95,7 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "ranks a parameter is sharded over (-1: the rest of the world)")
     data_parallel_replicate_degree: int = opt(1, "replicas of the sharded model (hsdp)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
+    comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails")
 
 
 @dataclass
@@ -157,7 +158,7 @@ class FP8:
     margin: int = opt(0, "delayed scaling: margin (power of two) for the scaling factor")
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
                               "needs an optimizer with FP32 master weights")
-    preserve_high_precision_init: bool = opt(True, "seed the optimizer's FP32 master weights from the "
+    preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
                                                    "pre-quantization init values")
     bf16_layers: list = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
 
@@ -413,6 +414,7 @@ def _check_values(cfg: Config, where: str) -> None:
         raise ConfigError(f"lr_scheduler.min_lr_ratio must be within [0, 1], got {cfg.lr_scheduler.min_lr_ratio} {where}")
     _positive("metrics.log_freq", cfg.metrics.log_freq, where)
     _positive("checkpoint.interval", cfg.checkpoint.interval, where)
+    _positive("parallelism.comm_timeout_s", cfg.parallelism.comm_timeout_s, where)
     _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)
     _positive("data.num_workers", cfg.data.num_workers, where, allow_zero=True)
     _positive("model.n_layers", cfg.model.n_layers, where, allow_zero=True)

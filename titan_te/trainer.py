@@ -13,6 +13,7 @@ Build order (each stage receives only its own config section):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ class Trainer:
         # 1. distributed
         device_type = resolve_device(t.device)
         rep, shard = config_mod.dp_degrees(cfg.parallelism, config_mod.world_size_from_env())
-        self.env = env = init_distributed(device_type, rep, shard)
+        self.env = env = init_distributed(device_type, rep, shard, cfg.parallelism.comm_timeout_s)
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
         self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
@@ -110,7 +111,11 @@ class Trainer:
                 backend_spec.materialize(model, self.device)
             else:
                 model.to_empty(device=self.device)
-        init_weights(model, model.init_rule, t.seed, self.device, write=backend_spec.write)
+        write = backend_spec.write
+        if write is not None and cfg.fp8.enable and cfg.fp8.params and cfg.fp8.preserve_high_precision_init \
+                and cfg.optimizer.name == "fused_adam":  # the optimizer that takes these copies
+            write = functools.partial(write, keep_high_precision=True)
+        init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
 
         # 6. optimizer and LR schedule

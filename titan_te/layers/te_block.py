@@ -34,10 +34,16 @@ def _block_class():
 
     class TEBlock(te.TransformerLayer):
         fp8_disabled = False  # blocks kept in bf16 by fp8.bf16_layers
+        fp8_params = False  # weights built as FP8 (QuantizedTensor) by fp8.params
         checkpointed = False  # activation checkpointing through TE's own checkpoint
+        # FSDP2 gathers FP8 weights for the forward in row-wise form only and for the backward in
+        # column-wise form only when a block reshards after forward; recomputing the forward inside
+        # the backward then finds no row-wise data. Such blocks keep their gathered weights instead.
+        keep_gathered_for_recompute = False
 
         def enable_activation_checkpoint(self) -> None:
             self.checkpointed = True
+            self.keep_gathered_for_recompute = self.fp8_params
 
         def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
             ctx = te.autocast(enabled=False) if self.fp8_disabled else contextlib.nullcontext()
@@ -75,6 +81,7 @@ def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.fl
         )
     block.layer_id = layer_id
     block.fp8_disabled = keep_bf16
+    block.fp8_params = fp8 is not None and fp8.cfg.params and not keep_bf16
     return block
 
 
@@ -89,12 +96,17 @@ def te_materialize(model, device) -> None:
     model.to_empty(device=device, recurse=True)
 
 
-def te_write(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Store an init value in a parameter; FP8 (QuantizedTensor) weights quantize it."""
+def te_write(target: torch.Tensor, value: torch.Tensor, keep_high_precision: bool = False) -> None:
+    """Store an init value in a parameter; FP8 (QuantizedTensor) weights quantize it.
+
+    keep_high_precision (fp8.preserve_high_precision_init): also keep the unquantized value, on the
+    CPU, for fused_adam to seed its FP32 master weight from (it drops the copy then)."""
     from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
     if isinstance(target, QuantizedTensor):
         target.quantize_(value.to(torch.float32))
+        if keep_high_precision:
+            target._high_precision_init = value.detach().to("cpu", torch.float32)
     else:
         target.copy_(value)
 

@@ -27,6 +27,7 @@ from titan_te.optim.param_groups import decay_groups
 
 TE_CHUNK = 2048 * 32  # elements per block of TE's multi-tensor kernels
 TE_MAX_TENSORS = 1024  # tensors per kernel call
+CPU_SLICE = 1 << 24  # elements per torch _foreach_ slice (bounds FP32 temporaries)
 
 
 class FusedAdamError(ConfigError):
@@ -122,12 +123,10 @@ class FusedAdam(torch.optim.Optimizer):
         kind = self._kind(p)
         local = _local(p)
         high = local.dequantize() if kind == "quantized" else local
-        if kind == "quantized":
-            init = getattr(p, "get_high_precision_init_val", None) or getattr(local, "get_high_precision_init_val",
-                                                                                None)
-            value = init() if init is not None else None
-            if value is not None:  # fp8.preserve_high_precision_init: masters from the unquantized init
-                high = _local(value).to(local.device)
+        hp = getattr(local, "_high_precision_init", None)
+        if kind == "quantized" and hp is not None:  # fp8.preserve_high_precision_init
+            high = hp.to(local.device)
+            del local._high_precision_init
         state = self.state[p]
         shape = local.shape
         for name in ("exp_avg", "exp_avg_sq"):
@@ -206,38 +205,43 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _update(self, b: Bucket, grads, sel) -> None:
         g = b.group
-        lr, (beta1, beta2), eps, wd, step = g["lr"], g["betas"], g["eps"], g["weight_decay"], g["step"]
-        lr = float(lr)
+        hp = (float(g["lr"]), *g["betas"], g["eps"], g["weight_decay"], g["step"])
         weights, m, v = sel(b.weights), sel(b.exp_avg), sel(b.exp_avg_sq)
         masters = sel(b.masters) if b.masters else []
-        lowp_moments = self.moment_dtype != torch.float32
-        if lowp_moments:  # compute in FP32, store rounded
-            m_store, v_store = m, v
-            m, v = [t.float() for t in m], [t.float() for t in v]
-        if self._te is not None:
-            self._te_update(b.kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
+        if self._te is not None:  # TE's kernels read and write bf16 moments directly
+            self._te_update(b.kind, grads, weights, masters, m, v, *hp)
         else:
-            self._torch_update(b.kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
-        if lowp_moments:
-            torch._foreach_copy_(m_store, m)
-            torch._foreach_copy_(v_store, v)
-        if b.kind == "quantized":
+            self._torch_update(b.kind, grads, weights, masters, m, v, *hp)
+        if b.kind == "quantized" and not self._fused_fp8(weights):
             for w, master in zip(weights, masters):
                 w.quantize_(master)
+
+    def _fused_fp8(self, weights) -> bool:
+        """Delayed-scaling Float8Tensor weights: TE's multi_tensor_adam_fp8 updates the master and
+        writes the FP8 bytes in the same kernel (no separate re-quantization pass)."""
+        if self._te is None:
+            return False
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
+
+        return all(isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer) for w in weights)
 
     def _te_update(self, kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
         tex = self._te
         if self._noop is None:
             self._noop = torch.zeros(1, dtype=torch.int, device=grads[0].device)
-        if kind == "fp32":
-            lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
-        elif kind == "lowp":
+        extra = ()
+        if kind in ("fp32", "lowp"):
             lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
         elif kind == "lowp_master":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam
         elif kind == "lowp_remain":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam_param_remainder
-        else:  # quantized: FP32 master is the parameter of the kernel; re-quantized afterwards
+        elif self._fused_fp8(weights):  # quantized, delayed scaling: master update + FP8 write in one pass
+            q = [w._quantizer for w in weights]
+            lists = [grads, [w._data for w in weights], m, v, masters, [x.scale for x in q], [x.amax for x in q],
+                     [w._scale_inv for w in weights]]
+            fn, extra = tex.multi_tensor_adam_fp8, (weights[0]._fp8_dtype,)
+        else:  # other quantized weights: the FP32 master is the kernel's parameter; re-quantized after
             grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
             lists, fn = [grads, masters, m, v], tex.multi_tensor_adam
         if any(t.numel() == 0 for t in grads):  # an FSDP2 shard can be empty on some ranks
@@ -245,17 +249,36 @@ class FusedAdam(torch.optim.Optimizer):
             lists = [[lst[i] for i in keep] for lst in lists]
         for start in range(0, len(lists[0]), TE_MAX_TENSORS):
             fn(TE_CHUNK, self._noop, [lst[start:start + TE_MAX_TENSORS] for lst in lists], lr, beta1, beta2, eps,
-               step, 1, 1, wd)  # mode 1 = AdamW (decoupled decay), bias correction on
+               step, 1, 1, wd, *extra)  # mode 1 = AdamW (decoupled decay), bias correction on
+        if extra:
+            for w in weights:
+                w._reset_caches()  # a cached FP8 transpose is stale now
 
     @staticmethod
     def _torch_update(kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
+        """torch _foreach_ math in FP32, in slices of about CPU_SLICE elements so FP32 copies of bf16
+        moments or weights never cost more than one slice of extra memory."""
+        start, n = 0, len(grads)
+        while start < n:
+            end, size = start, 0
+            while end < n and (end == start or size + grads[end].numel() <= CPU_SLICE):
+                size += grads[end].numel()
+                end += 1
+            sl = slice(start, end)
+            FusedAdam._torch_slice(kind, grads[sl], weights[sl], masters[sl] if masters else [], m[sl], v[sl],
+                                   lr, beta1, beta2, eps, wd, step)
+            start = end
+
+    @staticmethod
+    def _torch_slice(kind, grads, weights, masters, m_store, v_store, lr, beta1, beta2, eps, wd, step) -> None:
+        f32 = (lambda ts: ts if not ts or ts[0].dtype == torch.float32 else [t.float() for t in ts])
         if kind == "fp32":
             targets = weights
         elif kind == "lowp":
             targets = [w.float() for w in weights]
         else:  # lowp_master, quantized
             targets = masters
-        grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
+        grads, m, v = f32(grads), f32(m_store), f32(v_store)
         torch._foreach_lerp_(m, grads, 1 - beta1)
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
@@ -266,6 +289,9 @@ class FusedAdam(torch.optim.Optimizer):
         torch._foreach_div_(denom, math.sqrt(bc2))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(targets, m, denom, -lr / bc1)
+        if m is not m_store:  # bf16 moments: store the FP32 result rounded
+            torch._foreach_copy_(m_store, m)
+            torch._foreach_copy_(v_store, v)
         if kind in ("lowp", "lowp_master"):
             torch._foreach_copy_(weights, targets)
 

@@ -20,6 +20,7 @@ def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy) -> nn.M
     for i, block in enumerate(blocks):
         # The last block is needed again right at the start of backward: keep it gathered.
         reshard = pcfg.reshard_after_forward and i < len(blocks) - 1
+        reshard = reshard and not getattr(block, "keep_gathered_for_recompute", False)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
     for module in model.modules():
