@@ -51,12 +51,10 @@ def _entry(rank, world, port, fn, args, out_dir):
         payload = ("ok", result)
     except BaseException as e:  # report to the parent, which raises
         payload = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(payload))
+    from titan_te.parallel.dist import shutdown
+
+    shutdown(clean=payload[0] == "ok")
 
 
 def run_ranks(fn, world: int, *args):

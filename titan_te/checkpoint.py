@@ -11,7 +11,9 @@ amax reduction keeps the ranks' scales equal, so every rank can load that copy.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import pickle
 import random
 import re
@@ -35,6 +37,7 @@ logger = logging.getLogger("titan_te")
 SAVE_ERRORS = (Exception, CheckpointException)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 EXTRA_STATE = "_extra_state"
+TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 
 class CheckpointError(Exception):
@@ -91,7 +94,24 @@ def load_model_state(model, params: dict, extra: dict | None) -> None:
         raise CheckpointError(f"checkpoint lacks model parameters {missing[:3]}... ({len(missing)} missing)")
     set_model_state_dict(model, params, options=StateDictOptions(strict=False))
     if extra:
-        model.load_state_dict({k: v for k, v in extra.items() if k in own}, strict=False)
+        # TE serializes its delayed-scaling state (scales, amax history) as a pickle and refuses to load
+        # one unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. This copy was pickled by this framework into
+        # the run's own checkpoint, like the rng and dataloader entries, so it is allowed for this call.
+        with _env(TE_UNSAFE_PICKLE, "1"):
+            model.load_state_dict({k: v for k, v in extra.items() if k in own}, strict=False)
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def rng_state() -> dict:

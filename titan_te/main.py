@@ -29,21 +29,26 @@ def main(argv: list[str] | None = None) -> int:
     from titan_te.preemption import EXIT_PREEMPTED, Preempted
     from titan_te.trainer import Trainer
 
+    clean = False  # every rank got here in step: an unexpected crash skips the exit barrier
     try:
         trainer = Trainer(cfg)
         try:
             trainer.train()
         finally:
             trainer.close()
+        clean = True
     except config_mod.ConfigError as e:  # found only once data or hardware is touched
+        clean = True
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except CheckpointError as e:
+        clean = True
         print(f"checkpoint error: {e}", file=sys.stderr)
         return EXIT_CHECKPOINT_ERROR
     except Preempted as e:
+        clean = True
         print(f"preempted: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     finally:
-        shutdown()
+        shutdown(clean)
     return 0

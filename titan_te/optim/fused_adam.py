@@ -218,8 +218,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _fused_fp8(self, weights) -> bool:
         """Delayed-scaling Float8Tensor weights: TE's multi_tensor_adam_fp8 updates the master and
-        writes the FP8 bytes in the same kernel (no separate re-quantization pass)."""
-        if self._te is None:
+        writes the FP8 bytes in the same kernel (no separate re-quantization pass). That kernel takes
+        FP32 moments only; with bf16 moments the master is updated, then each weight re-quantized."""
+        if self._te is None or self.moment_dtype != torch.float32:
             return False
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 

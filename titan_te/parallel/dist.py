@@ -63,6 +63,14 @@ def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: in
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group. After a clean run every rank first waits for the others, so no rank
+    tears down its connections while a peer still uses them (gloo aborts the peer then)."""
+    if not dist.is_initialized():
+        return
+    if clean and dist.get_world_size() > 1:
+        try:
+            dist.barrier()
+        except Exception:  # a peer already gone: nothing left to wait for
+            pass
+    dist.destroy_process_group()
