@@ -143,7 +143,9 @@ class CheckpointManager:
         self._pending: tuple[int, Path, Future] | None = None
         self._staging: Future | None = None
         self._deleter: threading.Thread | None = None
-        self.last_blocked_s = 0.0  # how long the last save held training up
+        self.last_blocked_s = 0.0  # how long the last save held training up (call + staging wait)
+        self._save_started = 0.0
+        self._completed: list[tuple[int, float, float]] = []  # (step, stall s, total s) of published saves
         self.pg = None
         self.ctl_pg = None
         self.stager = None
@@ -189,8 +191,8 @@ class CheckpointManager:
 
     def save(self, step: int, last: bool = False) -> None:
         """Save (or start saving) the state after `step`. Errors are reported, never fatal mid-run."""
-        t0 = time.perf_counter()
         self.finish_pending(wait=True)  # one save in flight at a time
+        t0 = self._save_started = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         model_only = last and self.cfg.last_save_model_only
         try:
@@ -253,7 +255,13 @@ class CheckpointManager:
         if self.rank == 0:
             logger.info(f"checkpoint: saved step {step} to {step_dir(self.folder, step)} (background)")
 
+    def pop_completed(self) -> list[tuple[int, float, float]]:
+        """(step, seconds training stalled, seconds until on disk) of saves published since the last call."""
+        done, self._completed = self._completed, []
+        return done
+
     def _publish(self, step: int, tmp: Path) -> None:
+        self._completed.append((step, self.last_blocked_s, time.perf_counter() - self._save_started))
         if self.rank == 0:
             final = step_dir(self.folder, step)
             if final.exists():

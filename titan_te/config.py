@@ -126,6 +126,21 @@ class Metrics:
     log_freq: int = opt(10, "print / log metrics every N steps")
     enable_tensorboard: bool = opt(True, "write TensorBoard event files under <run>/tb")
     rank_0_only: bool = opt(True, "only rank 0 writes TensorBoard events")
+    fp8_stats_freq: int = opt(100, "with delayed-scaling FP8: log amax and scale statistics per layer group "
+                                   "every N steps (0 disables)")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "write torch.profiler traces of steps profile_start .. +profile_active")
+    profile_start: int = opt(5, "first traced step")
+    profile_active: int = opt(2, "number of traced steps")
+    traces_folder: str = opt("profile_traces", "trace folder inside the run folder")
+    enable_memory_snapshot: bool = opt(False, "record CUDA allocations; write a snapshot at "
+                                              "memory_snapshot_steps and on out-of-memory")
+    memory_snapshot_steps: list = opt([], "steps after which a CUDA memory snapshot is written")
+    memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside the run folder")
+    memory_history_entries: int = opt(100000, "allocation events kept for the snapshot")
 
 
 @dataclass
@@ -189,6 +204,7 @@ class Config:
     fp8: FP8 = field(default_factory=FP8)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
 
     @property
     def run_folder(self) -> Path:
@@ -413,6 +429,12 @@ def _check_values(cfg: Config, where: str) -> None:
     if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio must be within [0, 1], got {cfg.lr_scheduler.min_lr_ratio} {where}")
     _positive("metrics.log_freq", cfg.metrics.log_freq, where)
+    _positive("metrics.fp8_stats_freq", cfg.metrics.fp8_stats_freq, where, allow_zero=True)
+    _positive("profiling.profile_start", cfg.profiling.profile_start, where)
+    _positive("profiling.profile_active", cfg.profiling.profile_active, where)
+    for step in cfg.profiling.memory_snapshot_steps:
+        if not isinstance(step, int) or step < 1:
+            raise ConfigError(f"profiling.memory_snapshot_steps holds step numbers >= 1, got {step!r} {where}")
     _positive("checkpoint.interval", cfg.checkpoint.interval, where)
     _positive("parallelism.comm_timeout_s", cfg.parallelism.comm_timeout_s, where)
     _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)

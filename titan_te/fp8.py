@@ -81,3 +81,33 @@ class FP8Context:
         import transformer_engine.pytorch as te
 
         return te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)
+
+
+# TE module name -> the layer group its FP8 statistics are reported under.
+STAT_GROUPS = {"layernorm_qkv": "attention_qkv", "proj": "attention_proj", "layernorm_mlp": "mlp"}
+
+
+def fp8_stats(model) -> dict[str, float]:
+    """Delayed-scaling statistics per layer group, over all blocks: the largest latest amax and the
+    smallest scale of the forward (activations, weights) and backward (gradients) tensors. Empty for
+    recipes that keep no scaling state (current, block)."""
+    acc: dict[str, list[float]] = {}
+    for name, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        group = STAT_GROUPS.get(name.rsplit(".", 1)[-1])
+        if not meta or group is None:
+            continue
+        for direction in ("fwd", "bwd"):
+            scaling = meta.get(f"scaling_{direction}")
+            if scaling is None or not hasattr(scaling, "amax_history"):
+                continue
+            amax = scaling.amax_history[0].max().item()
+            scale = scaling.scale.min().item()
+            key = f"{group}/{direction}"
+            prev = acc.get(key)
+            acc[key] = [max(amax, prev[0]), min(scale, prev[1])] if prev else [amax, scale]
+    out = {}
+    for key, (amax, scale) in acc.items():
+        out[f"fp8/{key}_amax"] = amax
+        out[f"fp8/{key}_scale_min"] = scale
+    return out

@@ -8,6 +8,7 @@ from titan_te.logging_setup import setup_logging
 
 EXIT_CONFIG_ERROR = 2
 EXIT_CHECKPOINT_ERROR = 3
+EXIT_OUT_OF_MEMORY = 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from titan_te.checkpoint import CheckpointError
     from titan_te.parallel.dist import shutdown
     from titan_te.preemption import EXIT_PREEMPTED, Preempted
-    from titan_te.trainer import Trainer
+    from titan_te.trainer import OutOfMemory, Trainer
 
     clean = False  # every rank got here in step: an unexpected crash skips the exit barrier
     try:
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
         print(f"preempted: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except OutOfMemory as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     finally:
         shutdown(clean)
     return 0

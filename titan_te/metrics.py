@@ -55,16 +55,20 @@ class StepStats:
 
 class MetricsLogger:
     def __init__(self, mcfg, run_folder: Path, device: torch.device, rank: int, flops_per_token: float,
-                 total_steps: int):
+                 total_steps: int, start_step: int = 0):
         self.cfg, self.device, self.rank = mcfg, device, rank
         self.flops_per_token, self.total_steps = flops_per_token, total_steps
         self.peak = peak_flops(device)
         self.writer = None
+        self.tb_folder = run_folder / "tb" / ("" if mcfg.rank_0_only else f"rank_{rank}")
         if mcfg.enable_tensorboard and (rank == 0 or not mcfg.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
-            sub = "" if mcfg.rank_0_only else f"rank_{rank}"
-            self.writer = SummaryWriter(log_dir=str(run_folder / "tb" / sub))
+            # A resumed run continues the same step axis. Steps after the checkpoint that a crashed run
+            # had already logged are purged (TensorBoard drops older events at or past purge_step), so
+            # the curve stays one line with no step written twice.
+            self.writer = SummaryWriter(log_dir=str(self.tb_folder),
+                                        purge_step=start_step + 1 if start_step else None)
         self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
         self.started = time.perf_counter()
         self.total_tokens, self.total_time, self.steps_done = 0, 0.0, 0
@@ -108,6 +112,7 @@ class MetricsLogger:
         return values
 
     def write(self, values: dict, step: int) -> None:
+        """TensorBoard scalars at `step` (also for values logged outside the per-step line)."""
         if self.writer is None:
             return
         for tag, value in values.items():

@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_te import config as config_mod
-from titan_te.checkpoint import CheckpointManager
+from titan_te.checkpoint import CheckpointManager, complete_steps
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import build_dataloader
 from titan_te.data.tokenizers import padded_vocab
-from titan_te.fp8 import FP8Context
+from titan_te.fp8 import FP8Context, fp8_stats
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
@@ -41,10 +41,22 @@ from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dist import init_distributed
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
 from titan_te.preemption import Preempted, PreemptionGuard
+from titan_te.profiling import Profiler
 from titan_te.train_utils import clip_grad_norm, set_determinism
 
 logger = logging.getLogger("titan_te")
 IGNORE_INDEX = -100
+
+
+class OutOfMemory(Exception):
+    """The GPU ran out of memory in a training step; the message says what to change."""
+
+    def __init__(self, step: int, err: Exception, snapshot):
+        where = f"; memory snapshot: {snapshot}" if snapshot else \
+            "; --profiling.enable_memory_snapshot=true writes a snapshot of who held the memory"
+        super().__init__(f"out of GPU memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
+                         f"--activation_checkpoint.mode=full, a smaller training.local_batch_size (with "
+                         f"training.global_batch_size for the same batch), or more GPUs{where}")
 
 
 @dataclass
@@ -137,7 +149,9 @@ class Trainer:
         # 8. metrics
         self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum * env.dp_world
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
-                                     self.model_args.flops_per_token(t.seq_len), t.steps)
+                                     self.model_args.flops_per_token(t.seq_len), t.steps, start_step=self.state.step)
+        self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
+        self.validator = None
         self.losses: list[float] = []  # global average loss of every step, for callers and tests
         if env.is_main:
             self._write_resolved_config()
@@ -208,40 +222,71 @@ class Trainer:
         self.train_model.train()
         with PreemptionGuard() as preempt:
             while self.state.step < stop_at:
+                step = self.state.step + 1
+                self.profiler.step_begin(step)
                 t0 = time.perf_counter()
                 microbatches = self._next_microbatches()
                 t_data = time.perf_counter() - t0
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, max_loss, gnorm = self.train_step(microbatches)
-                self.state.step += 1
+                try:
+                    loss, max_loss, gnorm = self.train_step(microbatches)
+                except torch.OutOfMemoryError as e:
+                    snap = self.profiler.snapshot(f"oom-step-{step}")
+                    raise OutOfMemory(step, e, snap) from None
+                self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
                 self.losses.append(loss)
-                step = self.state.step
-                ck = self.checkpointer
-                ck.finish_pending()
                 stop = preempt.requested_everywhere()
-                saved = ck.should_save(step, last=step == t.steps) or (stop and ck.enabled)
-                if saved:
-                    ck.save(step, last=step == t.steps or stop)
-                extra = {"checkpoint/blocked_s": ck.last_blocked_s} if saved else {}
+                self._maybe_checkpoint(step, stop)
                 epoch = int(microbatches[-1]["epoch"].max())
                 self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr,
                                               self.tokens_per_step // self.env.dp_world,
-                                              time.perf_counter() - t0, t_data, epoch, extra))
+                                              time.perf_counter() - t0, t_data, epoch))
+                self._periodic_metrics(step)
+                self.profiler.step_end(step)
                 if stop:
-                    raise Preempted(step, ck.enabled)
+                    raise Preempted(step, self.checkpointer.enabled)
         self.checkpointer.finish_pending(wait=True)
+        self._log_checkpoint_times()
         if self.state.step >= t.steps:
             self._final_summary()
         return self.losses
 
+    def _maybe_checkpoint(self, step: int, stop: bool) -> None:
+        """Publish a finished background save; start a save at the interval, the last step or a signal."""
+        ck, last = self.checkpointer, step == self.cfg.training.steps
+        ck.finish_pending()
+        if ck.should_save(step, last=last) or (stop and ck.enabled):
+            ck.save(step, last=last or stop)
+        self._log_checkpoint_times()
+
+    def _log_checkpoint_times(self) -> None:
+        for saved_step, stall_s, total_s in self.checkpointer.pop_completed():
+            self.metrics.write({"checkpoint/stall_s": stall_s, "checkpoint/save_s": total_s}, saved_step)
+
+    def _periodic_metrics(self, step: int) -> None:
+        """Values logged at their own frequency: validation loss, FP8 scaling statistics."""
+        if self.validator is not None and self.validator.due(step):
+            val_loss = self.validator.run(self)
+            self.metrics.write({"loss_metrics/validation_loss": val_loss}, step)
+            logger.info(f"step {step:>6}  validation loss {val_loss:8.4f}")
+        freq = self.cfg.metrics.fp8_stats_freq
+        if self.fp8.enabled and freq and (step % freq == 0 or step == 1):
+            self.metrics.write(fp8_stats(self.model), step)
+
     def _final_summary(self) -> None:
-        m = self.metrics
+        m, ck = self.metrics, self.checkpointer
         active, _ = memory_gib(self.device)
+        saved = complete_steps(ck.folder) if ck.enabled else []
+        where = f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else "no checkpoints"
+        tb = f"TensorBoard: tensorboard --logdir {m.tb_folder}" if m.writer is not None else "TensorBoard off"
         logger.info(f"done: {self.state.step} steps, {self.state.tokens_seen:,} tokens, "
                     f"{time.perf_counter() - m.started:.1f}s wall, "
-                    f"{m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} GiB")
+                    f"{m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} GiB; "
+                    f"{where}; {tb}")
 
     def close(self) -> None:
         self.checkpointer.close()
+        self._log_checkpoint_times()
         self.metrics.close()
+        self.profiler.close()

@@ -1,0 +1,70 @@
+"""TensorBoard events read back with TensorBoard's own reader; the console line; profiler traces."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT
+
+LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
+STEP_TAGS = ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput(tps)",
+             "tflops", "memory/max_active(GiB)", "memory/max_reserved(GiB)", "time/step_s", "time/data_loading(%)"]
+
+
+def _train(tmp_path, steps, *extra):
+    args = [sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", f"--training.steps={steps}",
+            "--training.seq_len=32", "--training.local_batch_size=2", "--metrics.log_freq=1",
+            "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.async_mode=async", *extra]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return {int(s): float(v) for s, v in LINE.findall(r.stdout)}, r.stdout
+
+
+def _events(tmp_path) -> EventAccumulator:
+    acc = EventAccumulator(str(tmp_path / "debug/tb"))
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_tags_steps_and_values_match_the_console(tmp_path):
+    console, out = _train(tmp_path, 12)
+    acc = _events(tmp_path)
+    tags = set(acc.Tags()["scalars"])
+    assert set(STEP_TAGS) <= tags, sorted(tags)
+    assert {"checkpoint/stall_s", "checkpoint/save_s"} <= tags
+    losses = acc.Scalars("loss_metrics/global_avg_loss")
+    assert [e.step for e in losses] == list(range(1, 13))
+    for e in losses:  # the console prints 4 decimals
+        assert e.value == pytest.approx(console[e.step], abs=6e-5)
+    assert all(e.value > 0 for e in acc.Scalars("throughput(tps)"))
+    assert [e.step for e in acc.Scalars("checkpoint/save_s")] == [5, 10, 12]
+    assert "tensorboard --logdir" in out
+
+
+def test_a_resumed_run_continues_one_curve_without_a_second_step(tmp_path):
+    first, _ = _train(tmp_path, 12)
+    # A crash after step 12 whose last complete checkpoint is step 10: steps 11-12 are logged twice.
+    shutil.rmtree(tmp_path / "debug/checkpoint/step-12")
+    second, out = _train(tmp_path, 16)
+    assert "resumed from" in out and "(step 10)" in out
+    losses = _events(tmp_path).Scalars("loss_metrics/global_avg_loss")
+    steps = [e.step for e in losses]
+    assert steps == list(range(1, 17))  # one curve: no step twice, no second step 1
+    by_step = {e.step: e.value for e in losses}
+    for step in range(11, 17):  # the resumed run's values replace the crashed run's
+        assert by_step[step] == pytest.approx(second[step], abs=6e-5)
+    for step in range(1, 11):
+        assert by_step[step] == pytest.approx(first[step], abs=6e-5)
+
+
+def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path):
+    _, out = _train(tmp_path, 5, "--profiling.enable_profiling=true", "--profiling.profile_start=2",
+                    "--profiling.profile_active=2", "--checkpoint.enable=false")
+    trace = tmp_path / "debug/profile_traces/step-2/rank0.json"
+    assert trace.is_file() and "trace of steps 2-3" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in str(e.get("name", "")) for e in events)

@@ -1,0 +1,73 @@
+"""Profiling: torch.profiler traces of chosen steps, CUDA memory snapshots on request and on OOM.
+
+Traces go to `<run>/<profiling.traces_folder>/step-<N>/rank<R>.json` (open them in Perfetto or
+chrome://tracing); memory snapshots to `<run>/<profiling.memory_snapshot_folder>/` as pickles for
+https://pytorch.org/memory_viz.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("titan_te")
+
+
+class Profiler:
+    def __init__(self, pcfg, run_folder: Path, device: torch.device, rank: int):
+        self.cfg, self.device, self.rank = pcfg, device, rank
+        self.trace_steps = set(range(pcfg.profile_start, pcfg.profile_start + pcfg.profile_active))
+        self.trace_folder = run_folder / pcfg.traces_folder
+        self.snapshot_folder = run_folder / pcfg.memory_snapshot_folder
+        self._prof = None
+        self._recording = False
+        if pcfg.enable_memory_snapshot and device.type == "cuda":
+            # Records every allocation from now on, so a snapshot (on request or at an OOM) shows
+            # who holds the memory.
+            torch.cuda.memory._record_memory_history(max_entries=pcfg.memory_history_entries)
+            self._recording = True
+        elif pcfg.enable_memory_snapshot:
+            logger.warning("profiling.enable_memory_snapshot: CUDA memory snapshots need a GPU; none are written")
+
+    def step_begin(self, step: int) -> None:
+        if not self.cfg.enable_profiling or step not in self.trace_steps or self._prof is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+        self._prof.__enter__()
+        self._first = step
+
+    def step_end(self, step: int) -> None:
+        if self._prof is not None and step + 1 not in self.trace_steps:
+            self._prof.__exit__(None, None, None)
+            folder = self.trace_folder / f"step-{self._first}"
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"rank{self.rank}.json"
+            self._prof.export_chrome_trace(str(path))
+            self._prof = None
+            logger.info(f"profiling: trace of steps {self._first}-{step} written to {path}")
+        if self._recording and step in self.cfg.memory_snapshot_steps:
+            self.snapshot(f"step-{step}")
+
+    def snapshot(self, name: str) -> Path | None:
+        """Write the CUDA memory snapshot (when recording); returns its path."""
+        if not self._recording:
+            return None
+        self.snapshot_folder.mkdir(parents=True, exist_ok=True)
+        path = self.snapshot_folder / f"{name}-rank{self.rank}.pickle"
+        with path.open("wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        logger.info(f"profiling: memory snapshot written to {path} (view it at https://pytorch.org/memory_viz)")
+        return path
+
+    def close(self) -> None:
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            self._prof = None
+        if self._recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._recording = False
