@@ -78,14 +78,25 @@ class Training:
 
 @dataclass
 class Data:
-    dataset: str = opt("embedded", "dataset: embedded (text shipped with Python), or a registered one",
+    dataset: str = opt("embedded", "dataset: embedded (Python's own source text, no download), files (text "
+                                   "files tokenized at start), tokens (shards from titan_te.data.prepare)",
                        registry="titan_te.data:DATASETS")
-    path: str = opt("", "file, folder or glob the dataset reads (unused by 'embedded')")
-    tokenizer: str = opt("byte", "tokenizer", registry="titan_te.data:TOKENIZERS")
-    tokenizer_path: str = opt("", "tokenizer file for file-based tokenizers")
+    path: str = opt("", "files: a .txt/.jsonl/.json/.parquet file, folder or glob; tokens: the shard folder")
+    tokenizer: str = opt("byte", "tokenizer: byte (no files), hf (tokenizer.json) or tiktoken (.model)",
+                         registry="titan_te.data:TOKENIZERS")
+    tokenizer_path: str = opt("", "the hf / tiktoken tokenizer file (or its folder)")
     text_field: str = opt("text", "field holding the text in .jsonl / .parquet records")
     num_workers: int = opt(0, "data-loader worker processes")
     shuffle: bool = opt(True, "shuffle sequences each epoch (seeded by training.seed)")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "evaluate held-out data every `freq` steps (loss logged to console and TensorBoard)")
+    freq: int = opt(100, "validate every N steps")
+    steps: int = opt(10, "batches per validation (per data-parallel rank)")
+    hold_out_fraction: float = opt(0.01, "share of the training tokens held out when the dataset has no "
+                                         "validation split of its own (tokens shards bring val-*)")
 
 
 @dataclass
@@ -196,6 +207,7 @@ class Config:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
     parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
@@ -429,6 +441,11 @@ def _check_values(cfg: Config, where: str) -> None:
     if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.min_lr_ratio must be within [0, 1], got {cfg.lr_scheduler.min_lr_ratio} {where}")
     _positive("metrics.log_freq", cfg.metrics.log_freq, where)
+    _positive("validation.freq", cfg.validation.freq, where)
+    _positive("validation.steps", cfg.validation.steps, where)
+    if not 0.0 < cfg.validation.hold_out_fraction < 1.0:
+        raise ConfigError(f"validation.hold_out_fraction must be within (0, 1), got "
+                          f"{cfg.validation.hold_out_fraction} {where}")
     _positive("metrics.fp8_stats_freq", cfg.metrics.fp8_stats_freq, where, allow_zero=True)
     _positive("profiling.profile_start", cfg.profiling.profile_start, where)
     _positive("profiling.profile_active", cfg.profiling.profile_active, where)

@@ -11,6 +11,14 @@ EXIT_CHECKPOINT_ERROR = 3
 EXIT_OUT_OF_MEMORY = 4
 
 
+def _own_message(err: Exception) -> str:
+    """The error's own message; a DataLoader worker's re-raised error carries the worker's traceback."""
+    text = str(err)
+    if "Original Traceback" in text:
+        text = text.strip().splitlines()[-1].split("Error: ", 1)[-1]
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -40,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         clean = True
     except config_mod.ConfigError as e:  # found only once data or hardware is touched
         clean = True
-        print(f"config error: {e}", file=sys.stderr)
+        print(f"config error: {_own_message(e)}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except CheckpointError as e:
         clean = True

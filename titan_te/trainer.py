@@ -42,6 +42,7 @@ from titan_te.parallel.dist import init_distributed
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
 from titan_te.preemption import Preempted, PreemptionGuard
 from titan_te.profiling import Profiler
+from titan_te.validation import Validator
 from titan_te.train_utils import clip_grad_norm, set_determinism
 
 logger = logging.getLogger("titan_te")
@@ -89,6 +90,11 @@ class Trainer:
         # 2. data
         self.tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
         source = DATASETS.get(cfg.data.dataset)(cfg.data, self.tokenizer)
+        val_source = None
+        if cfg.validation.enable:  # the dataset's own split, else a held-out tail of its tokens
+            val_source = source.validation
+            if val_source is None:
+                source, val_source = source.split(cfg.validation.hold_out_fraction)
         self.dataloader = build_dataloader(source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
                                            t.seed, cfg.data.shuffle, cfg.data.num_workers,
                                            pin_memory=device_type == "cuda")
@@ -151,7 +157,9 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
                                      self.model_args.flops_per_token(t.seq_len), t.steps, start_step=self.state.step)
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
-        self.validator = None
+        self.validator = None if val_source is None else Validator(
+            cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
+            pin_memory=device_type == "cuda")
         self.losses: list[float] = []  # global average loss of every step, for callers and tests
         if env.is_main:
             self._write_resolved_config()
@@ -187,6 +195,13 @@ class Trainer:
         stack.enter_context(self.fp8.autocast())
         return stack
 
+    ignore_index = IGNORE_INDEX
+
+    @staticmethod
+    def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over the valid (not ignored) tokens."""
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
     def train_step(self, microbatches) -> tuple[float, float, float]:
         """One optimizer step over the micro-batches; returns (global avg loss, max rank loss, grad norm)."""
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
@@ -199,8 +214,7 @@ class Trainer:
         for mb in microbatches:
             with self.forward_context():
                 logits = self.train_model(mb["input"])
-            loss = F.cross_entropy(logits.flatten(0, 1), mb["labels"].flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX) / global_tokens
+            loss = self.token_loss_sum(logits, mb["labels"]) / global_tokens
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)

@@ -9,7 +9,7 @@ import sysconfig
 from pathlib import Path
 
 from titan_te.data import DATASETS
-from titan_te.data.token_source import ArrayTokenSource, join_documents
+from titan_te.data.token_source import TokenSource, join_documents
 
 CORPUS_BYTES = 6 * 2**20
 
@@ -31,5 +31,5 @@ def stdlib_documents(limit: int = CORPUS_BYTES):
 
 
 @DATASETS.register("embedded")
-def build_embedded(dcfg, tokenizer) -> ArrayTokenSource:
-    return ArrayTokenSource(join_documents(stdlib_documents(), tokenizer), "embedded:stdlib")
+def build_embedded(dcfg, tokenizer) -> TokenSource:
+    return TokenSource([join_documents(stdlib_documents(), tokenizer)], "embedded:stdlib", tokenizer.vocab_size)

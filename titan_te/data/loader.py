@@ -16,6 +16,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_te.data.errors import DataError
+
 
 class PackedSequences(IterableDataset):
     def __init__(self, source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int,
@@ -25,9 +27,10 @@ class PackedSequences(IterableDataset):
         self.seed, self.shuffle = seed, shuffle
         self.n_windows = source.num_windows(seq_len)
         if self.n_windows < dp_world * batch_size:
-            raise ValueError(f"dataset {source.name} holds {self.n_windows} sequences of {seq_len + 1} tokens, "
-                             f"fewer than one micro-batch on every rank ({dp_world} x {batch_size}); use a "
-                             f"shorter training.seq_len, a smaller local_batch_size or more data")
+            raise DataError(f"dataset {source.name} ({source.num_tokens:,} tokens) holds {self.n_windows} sequences "
+                            f"of training.seq_len + 1 = {seq_len + 1} tokens, fewer than one micro-batch on every "
+                            f"rank ({dp_world} x {batch_size}); use a shorter training.seq_len, a smaller "
+                            f"local_batch_size or more data")
         self.epoch, self.position = 0, 0
 
     def _order(self, epoch: int, worker: int, n_workers: int) -> np.ndarray:

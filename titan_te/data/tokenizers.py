@@ -1,9 +1,25 @@
-"""Tokenizers. `byte`: UTF-8 bytes 0..255 plus BOS and EOS; needs no files."""
+"""Tokenizers (registry `data.tokenizer`).
+
+- `byte`: UTF-8 bytes 0..255 plus BOS and EOS; needs no files.
+- `hf`: a Hugging Face `tokenizer.json` (data.tokenizer_path) through the `tokenizers` library, e.g.
+  Llama 3's. BOS/EOS come from a `tokenizer_config.json` beside the file when there is one, else from
+  the well-known special tokens the vocabulary holds.
+- `tiktoken`: a tiktoken BPE file (Llama 3's original `tokenizer.model`), with Llama 3's split
+  pattern and special tokens; needs the `tiktoken` package.
+Every tokenizer has vocab_size, bos_id, eos_id, encode(text) -> ids and encode_batch(texts).
+"""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 
 from titan_te.data import TOKENIZERS
+from titan_te.data.errors import DataError
+
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>")
+EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 
 
 class ByteTokenizer:
@@ -14,11 +30,106 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+def _tokenizer_file(dcfg, what: str) -> Path:
+    if not dcfg.tokenizer_path:
+        raise DataError(f"data.tokenizer = '{dcfg.tokenizer}' needs data.tokenizer_path ({what})")
+    path = Path(dcfg.tokenizer_path)
+    if path.is_dir():
+        path = path / ("tokenizer.json" if dcfg.tokenizer == "hf" else "tokenizer.model")
+    if not path.is_file():
+        raise DataError(f"data.tokenizer_path: no such file: {path}")
+    return path
+
+
+class HFTokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise DataError(f"data.tokenizer_path: {path} is not a Hugging Face tokenizer.json "
+                            f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})") from None
+        self.path = path
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._special(self._configured("bos_token"), BOS_CANDIDATES, "BOS")
+        self.eos_id = self._special(self._configured("eos_token"), EOS_CANDIDATES, "EOS")
+
+    def _configured(self, key: str) -> str | None:
+        cfg = self.path.parent / "tokenizer_config.json"
+        if not cfg.is_file():
+            return None
+        try:
+            value = json.loads(cfg.read_text(encoding="utf-8")).get(key)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{cfg} is not valid JSON: {e}") from None
+        return value.get("content") if isinstance(value, dict) else value
+
+    def _special(self, configured: str | None, candidates, what: str) -> int:
+        for token in ([configured] if configured else []) + list(candidates):
+            idx = self.tok.token_to_id(token)
+            if idx is not None:
+                return idx
+        raise DataError(f"data.tokenizer_path: {self.path} has no {what} token (looked for "
+                        f"{', '.join(([configured] if configured else []) + list(candidates))}); add one to the "
+                        f"tokenizer or a tokenizer_config.json beside it")
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+# Llama 3's pre-tokenizer split pattern and special tokens (its tiktoken model has 128000 BPE ranks).
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_NUM_SPECIAL = 256
+
+
+class TiktokenTokenizer:
+    def __init__(self, path: Path):
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise DataError("data.tokenizer = 'tiktoken' needs the tiktoken package: pip install tiktoken") from None
+        try:
+            ranks = load_tiktoken_bpe(str(path))
+        except Exception as e:
+            raise DataError(f"data.tokenizer_path: {path} is not a tiktoken BPE file ({type(e).__name__})") from None
+        n = len(ranks)
+        names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>"
+                                                            for i in range(LLAMA3_NUM_SPECIAL - 2)]
+        special = {name: n + i for i, name in enumerate(names)}
+        self.enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        self.vocab_size = n + LLAMA3_NUM_SPECIAL
+        self.bos_id, self.eos_id = special["<|begin_of_text|>"], special["<|end_of_text|>"]
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.enc.encode_ordinary(text), dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int32) for ids in self.enc.encode_ordinary_batch(texts)]
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([int(i) for i in ids])
+
+
 TOKENIZERS.register("byte")(lambda dcfg: ByteTokenizer())
+TOKENIZERS.register("hf")(lambda dcfg: HFTokenizer(_tokenizer_file(dcfg, "a tokenizer.json file or its folder")))
+TOKENIZERS.register("tiktoken")(lambda dcfg: TiktokenTokenizer(_tokenizer_file(dcfg, "a tiktoken .model file")))
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:

@@ -1,0 +1,218 @@
+"""Data pipeline: tokenizers, text files, token shards, prepare, exact resumable loading, bad input."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+
+DOCS = ["héllo wörld, the first document.", "второй документ", "第三个文件 and some ascii", "four " * 40]
+
+
+def dcfg(**kw):
+    base = dict(dataset="files", path="", tokenizer="byte", tokenizer_path="", text_field="text")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def write_corpus(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    (folder / "b.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in DOCS[1:3]) + "\n", encoding="utf-8")
+    (folder / "c.json").write_text(json.dumps([{"body": "x", "text": DOCS[3]}]), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_file(tmp_path_factory):
+    """A real tokenizer.json: a small BPE trained here, with Llama 3's BOS/EOS token names."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 20 + ["def f(x):\n    return x + 1\n"] * 20, trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_files_dataset_reads_txt_jsonl_json_and_parquet_with_bos_eos(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from titan_te.data import DATASETS, TOKENIZERS
+
+    folder = write_corpus(tmp_path / "corpus")
+    pq.write_table(pa.table({"text": ["from parquet"]}), folder / "d.parquet")
+    tok = TOKENIZERS.get("byte")(dcfg())
+    source = DATASETS.get("files")(dcfg(path=str(folder)), tok)
+    tokens = source.shards[0]
+    texts = DOCS + ["from parquet"]
+    assert (tokens == tok.bos_id).sum() == len(texts) and (tokens == tok.eos_id).sum() == len(texts)
+    docs = np.split(tokens, np.flatnonzero(tokens == tok.bos_id)[1:])
+    assert [tok.decode(d[1:-1]) for d in docs] == texts  # file order, every language intact
+    only_jsonl = DATASETS.get("files")(dcfg(path=str(folder / "*.jsonl")), tok)  # a glob
+    assert (only_jsonl.shards[0] == tok.bos_id).sum() == 2
+
+
+def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_path):
+    from titan_te.data import TOKENIZERS
+    from titan_te.data.tokenizers import padded_vocab
+
+    tok = TOKENIZERS.get("hf")(dcfg(tokenizer="hf", tokenizer_path=str(hf_tokenizer_file)))
+    assert tok.bos_id == 1 and tok.eos_id == 2 and 300 <= tok.vocab_size <= 400
+    assert tok.decode(tok.encode(DOCS[0])) == DOCS[0]
+    assert padded_vocab(tok.vocab_size) % 64 == 0 and padded_vocab(tok.vocab_size) >= tok.vocab_size
+    corpus = write_corpus(tmp_path / "c")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
+                        "--training.seq_len=16", "--training.local_batch_size=2", "--data.dataset=files",
+                        f"--data.path={corpus}", "--data.tokenizer=hf", f"--data.tokenizer_path={hf_tokenizer_file}",
+                        "--metrics.log_freq=1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"vocab {padded_vocab(tok.vocab_size)}" in r.stdout and "step      2" in r.stdout
+
+
+def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, tmp_path):
+    from titan_te.data import DATASETS, TOKENIZERS
+
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "shards"
+    r = subprocess.run([sys.executable, "-m", "titan_te.data.prepare", f"--input={corpus}", f"--output={out}",
+                        "--tokenizer=hf", f"--tokenizer_path={hf_tokenizer_file}", "--workers=2",
+                        "--val_fraction=0.25", "--shard_tokens=8"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "M tokens/s" in r.stderr and "100.0%" in r.stderr  # the progress line
+    assert "train: 3 documents" in r.stdout and "val: 1 documents" in r.stdout
+    side = json.loads(sorted(out.glob("train-*.json"))[0].read_text())
+    assert side["dtype"] == "uint16" and side["tokenizer"] == "hf" and side["format"] == "titan_te.tokens/1"
+    cfg = dcfg(dataset="tokens", path=str(out), tokenizer="hf", tokenizer_path=str(hf_tokenizer_file))
+    tok = TOKENIZERS.get("hf")(cfg)
+    source = DATASETS.get("tokens")(cfg, tok)
+    assert isinstance(source.shards[0], np.memmap) and len(source.shards) > 1
+    expected = np.concatenate([np.concatenate([[tok.bos_id], tok.encode(t), [tok.eos_id]])
+                               for i, t in enumerate(DOCS) if i % 4 != 3])
+    assert np.array_equal(np.concatenate([np.asarray(s) for s in source.shards]), expected)
+    val = source.validation
+    assert np.array_equal(np.concatenate([np.asarray(s) for s in val.shards]),
+                          np.concatenate([[tok.bos_id], tok.encode(DOCS[3]), [tok.eos_id]]))
+
+
+def _batches(loader, n):
+    it = iter(loader)
+    return [next(it)["input"].clone() for _ in range(n)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("dp_world", [1, 2])
+def test_restored_loader_yields_exactly_the_next_batches(workers, dp_world):
+    from titan_te.data.loader import build_dataloader
+    from titan_te.data.token_source import TokenSource
+
+    source = TokenSource([np.arange(5000) % 250], "counting", 258)  # 5000 tokens: epochs wrap during the test
+    for rank in range(dp_world):
+        make = lambda: build_dataloader(source, 16, 4, rank, dp_world, seed=3, shuffle=True,  # noqa: E731
+                                        num_workers=workers, pin_memory=False)
+        loader = make()
+        it = iter(loader)
+        for _ in range(30):
+            next(it)
+        state = loader.state_dict()
+        expected = [next(it)["input"].clone() for _ in range(50)]
+        fresh = make()
+        fresh.load_state_dict(state)
+        got = _batches(fresh, 50)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_global_batch_is_the_same_sequences_for_one_or_two_ranks():
+    from titan_te.data.loader import build_dataloader
+    from titan_te.data.token_source import TokenSource
+
+    source = TokenSource([np.arange(20000) % 250], "counting", 258)
+    one = _batches(build_dataloader(source, 16, 4, 0, 1, 0, True, 0, False), 4)  # accumulation 2 on 1 rank
+    r0 = _batches(build_dataloader(source, 16, 4, 0, 2, 0, True, 0, False), 2)
+    r1 = _batches(build_dataloader(source, 16, 4, 1, 2, 0, True, 0, False), 2)
+    for step in range(2):
+        single = {tuple(x.tolist()) for b in one[2 * step:2 * step + 2] for x in b}
+        split = {tuple(x.tolist()) for b in (r0[step], r1[step]) for x in b}
+        assert single == split
+
+
+def _train(tmp_path, *args):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}",
+                           "--training.steps=2", "--training.seq_len=16", "--training.local_batch_size=2", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _assert_config_error(r, *fragments):
+    assert r.returncode == 2, r.stdout[-1000:] + r.stderr[-1000:]
+    assert r.stderr.startswith("config error:") and "Traceback" not in r.stderr, r.stderr
+    for frag in fragments:
+        assert frag in r.stderr, r.stderr
+
+
+def test_bad_inputs_give_one_clear_error_naming_the_file(tmp_path, hf_tokenizer_file):
+    bad_utf8 = tmp_path / "bad.jsonl"
+    bad_utf8.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={bad_utf8}"),
+                         f"{bad_utf8}:2: invalid UTF-8 at byte offset 30")
+    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={tmp_path / 'nope'}"),
+                         "data.path: no such file or folder", "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "e.txt").write_text("")
+    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={empty}"), "holds no documents")
+    not_tok = tmp_path / "tokenizer.json"
+    not_tok.write_text("{\"hello\": 1}")
+    _assert_config_error(_train(tmp_path, "--data.tokenizer=hf", f"--data.tokenizer_path={not_tok}"),
+                         f"{not_tok} is not a Hugging Face tokenizer.json")
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={short}",
+                                "--training.seq_len=64"), "training.seq_len + 1 = 65")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers):
+    from titan_te.data.shards import ShardWriter
+
+    w = ShardWriter(tmp_path / "shards", "train", 258, "byte", 256, 257)
+    w.add(np.arange(2000) % 256)
+    w.close()
+    data = np.memmap(tmp_path / "shards/train-00000.bin", dtype="<u2", mode="r+")
+    data[20] = 300  # corrupt one token (in the first batch)
+    data.flush()
+    r = _train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 'shards'}",
+               f"--data.num_workers={workers}", "--data.shuffle=false")
+    _assert_config_error(r, "train-00000.bin: token id 300 at token offset 20")
+
+
+def test_truncated_shard_is_refused_before_training(tmp_path):
+    from titan_te.data.shards import ShardWriter
+
+    w = ShardWriter(tmp_path / "s", "train", 258, "byte", 256, 257)
+    w.add(np.arange(1000) % 256)
+    w.close()
+    path = tmp_path / "s/train-00000.bin"
+    path.write_bytes(path.read_bytes()[:500])
+    _assert_config_error(_train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 's'}"),
+                         "train-00000.bin: expected 2000 bytes", "truncated")
+
+
+def test_validation_loss_is_logged_and_reaches_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = _train(tmp_path, "--training.steps=4", "--validation.enable=true", "--validation.freq=2",
+               "--validation.steps=2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step      2  validation loss" in r.stdout and "step      4  validation loss" in r.stdout
+    acc = EventAccumulator(str(tmp_path / "debug/tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss_metrics/validation_loss")] == [2, 4]

@@ -1,0 +1,35 @@
+"""`files`: text files (.txt, .jsonl/.json, .parquet) tokenized at startup.
+
+Fine for corpora up to a few hundred MB; for more, tokenize once with `python -m titan_te.data.prepare`
+and train on the `tokens` dataset.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from titan_te.data import DATASETS
+from titan_te.data.documents import iter_documents, resolve_files
+from titan_te.data.errors import DataError
+from titan_te.data.token_source import TokenSource
+
+logger = logging.getLogger("titan_te")
+
+
+@DATASETS.register("files")
+def build_files(dcfg, tokenizer) -> TokenSource:
+    files = resolve_files(dcfg.path)
+    t0 = time.perf_counter()
+    parts, docs = [], 0
+    bos, eos = np.array([tokenizer.bos_id], np.int32), np.array([tokenizer.eos_id], np.int32)
+    for text, _ in iter_documents(files, dcfg.text_field):
+        parts += [bos, np.asarray(tokenizer.encode(text), dtype=np.int32), eos]
+        docs += 1
+    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    if docs == 0:
+        raise DataError(f"data.path: {dcfg.path} holds no documents (all {len(files)} file(s) are empty)")
+    logger.info(f"data: {docs:,} documents, {len(tokens):,} tokens from {len(files)} file(s) in "
+                f"{time.perf_counter() - t0:.1f}s")
+    return TokenSource([tokens], f"files:{dcfg.path}", tokenizer.vocab_size)

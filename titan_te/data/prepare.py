@@ -1,0 +1,183 @@
+"""Tokenize text into `tokens` shards, with worker processes and a progress line.
+
+    python -m titan_te.data.prepare --input corpus/ --output shards/ --tokenizer hf \\
+        --tokenizer_path Llama-3.1-8B/tokenizer.json --workers 8 --val_fraction 0.005
+
+--input is a .txt/.jsonl/.json/.parquet file, a folder or a glob (like data.path), or `hf:NAME` for a
+Hugging Face dataset streamed through the `datasets` package (--hf_subset, --hf_split). Every
+document gets BOS and EOS; one document in round(1 / val_fraction) goes to the `val` shards. Then
+train with `--data.dataset=tokens --data.path=shards/` (the validation section reads `val` shards).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from titan_te.data.documents import iter_documents, resolve_files
+from titan_te.data.errors import DataError
+from titan_te.data.shards import ShardWriter
+
+
+@dataclass
+class TokenizerArgs:
+    """The slice of the [data] section a tokenizer reads."""
+    tokenizer: str
+    tokenizer_path: str
+
+
+def build_tokenizer(targs: TokenizerArgs):
+    from titan_te.data import TOKENIZERS
+
+    if targs.tokenizer not in TOKENIZERS:
+        raise DataError(f"--tokenizer: {TOKENIZERS.miss_message(targs.tokenizer)}")
+    return TOKENIZERS.get(targs.tokenizer)(targs)
+
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(targs: TokenizerArgs) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = build_tokenizer(targs)
+
+
+def _tokenize(texts: list[str]) -> list[np.ndarray]:
+    tok = _WORKER_TOKENIZER
+    bos, eos = np.array([tok.bos_id], np.int32), np.array([tok.eos_id], np.int32)
+    return [np.concatenate([bos, ids, eos]) for ids in tok.encode_batch(texts)]
+
+
+def hf_documents(name: str, subset: str | None, split: str, field: str) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("--input hf:...: streaming a Hugging Face dataset needs the datasets package "
+                        "(pip install 'titan_te[hf]')") from None
+    try:
+        ds = datasets.load_dataset(name, subset, split=split, streaming=True)
+    except Exception as e:
+        raise DataError(f"--input hf:{name}: cannot open it ({type(e).__name__}: {str(e)[:200]})") from None
+    for i, record in enumerate(ds):
+        if field not in record:
+            raise DataError(f"hf:{name} record {i}: no field '{field}' (set --text_field)")
+        if record[field]:
+            yield record[field]
+
+
+class Progress:
+    """One line on stderr, refreshed twice a second: tokens, tokens/s, documents, share done, ETA."""
+
+    def __init__(self, total_bytes: int | None):
+        self.total, self.t0, self.last = total_bytes, time.perf_counter(), 0.0
+
+    def update(self, tokens: int, docs: int, done_bytes: int, final: bool = False) -> None:
+        now = time.perf_counter()
+        if not final and now - self.last < 0.5:
+            return
+        self.last = now
+        rate = tokens / max(now - self.t0, 1e-9)
+        line = f"prepare: {tokens / 1e6:,.2f} M tokens, {rate / 1e6:,.2f} M tokens/s, {docs:,} documents"
+        if self.total:  # text bytes over file bytes: JSON keys and compression make it an estimate
+            frac = 1.0 if final else min(done_bytes / self.total, 0.99)
+            eta = (now - self.t0) * (1 - frac) / max(frac, 1e-9)
+            line += f", {100 * frac:5.1f}%, ETA {int(eta) // 60}:{int(eta) % 60:02d}"
+        print("\r" + line + ("\n" if final else ""), end="", file=sys.stderr, flush=True)
+
+
+def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch = []
+    for text in docs:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, val_fraction: float = 0.0,
+            text_field: str = "text", shard_tokens: int = 100_000_000, batch_docs: int = 64,
+            hf_subset: str | None = None, hf_split: str = "train") -> dict:
+    """Tokenize `inputs` into shards under `output`; returns the counts per split."""
+    tok = build_tokenizer(targs)
+    if inputs.startswith("hf:"):
+        docs, total_bytes = hf_documents(inputs[3:], hf_subset, hf_split, text_field), None
+    else:
+        files = resolve_files(inputs, "--input")
+        docs = (text for text, _ in iter_documents(files, text_field))
+        total_bytes = sum(f.stat().st_size for f in files)
+    writers = {split: ShardWriter(output, split, tok.vocab_size, targs.tokenizer, tok.bos_id, tok.eos_id,
+                                  shard_tokens) for split in ("train", "val")}
+    every = round(1 / val_fraction) if val_fraction > 0 else 0
+    progress = Progress(total_bytes)
+    n_docs = n_tokens = done_bytes = 0
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(targs,)) if workers > 1 else None
+    if pool is None:
+        _init_worker(targs)
+
+    def sized(batches):  # count input size as the batches go out
+        nonlocal done_bytes
+        for b in batches:
+            done_bytes += sum(len(t.encode("utf-8")) for t in b)
+            yield b
+
+    try:
+        batches = sized(_batches(docs, batch_docs))
+        results = pool.imap(_tokenize, batches, chunksize=4) if pool else map(_tokenize, batches)
+        for tokenized in results:
+            for ids in tokenized:
+                split = "val" if every and n_docs % every == every - 1 else "train"
+                writers[split].add(ids)
+                n_docs += 1
+                n_tokens += len(ids)
+            progress.update(n_tokens, n_docs, done_bytes)
+    finally:
+        if pool is not None:
+            pool.terminate()
+        for w in writers.values():
+            w.close()
+    progress.update(n_tokens, n_docs, done_bytes, final=True)
+    if n_docs == 0:
+        raise DataError(f"--input {inputs}: no documents found")
+    return {split: {"documents": w.total_docs, "tokens": w.total_tokens, "shards": w.index}
+            for split, w in writers.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_te.data.prepare", description=__doc__.splitlines()[0])
+    ap.add_argument("--input", required=True, help="file, folder, glob, or hf:NAME")
+    ap.add_argument("--output", required=True, help="folder for the shards")
+    ap.add_argument("--tokenizer", default="byte", help="byte, hf or tiktoken (as data.tokenizer)")
+    ap.add_argument("--tokenizer_path", default="", help="tokenizer file (as data.tokenizer_path)")
+    ap.add_argument("--text_field", default="text", help="field / column holding the text")
+    ap.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
+    ap.add_argument("--val_fraction", type=float, default=0.0, help="share of documents held out for validation")
+    ap.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
+    ap.add_argument("--hf_subset", default=None)
+    ap.add_argument("--hf_split", default="train")
+    a = ap.parse_args(argv)
+    if a.workers < 1 or not 0 <= a.val_fraction < 1 or a.shard_tokens < 1:
+        print("prepare error: --workers and --shard_tokens must be >= 1 and --val_fraction within [0, 1)",
+              file=sys.stderr)
+        return 2
+    try:
+        counts = prepare(a.input, Path(a.output), TokenizerArgs(a.tokenizer, a.tokenizer_path), a.workers,
+                         a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split)
+    except DataError as e:
+        print(f"\nprepare error: {e}", file=sys.stderr)
+        return 2
+    for split, c in counts.items():
+        print(f"{split}: {c['documents']:,} documents, {c['tokens']:,} tokens in {c['shards']} shard(s) under {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Pre-tokenized shards (the `tokens` dataset) and their writer (used by `python -m titan_te.data.prepare`).
+
+A shard is three files with one stem, e.g. `train-00000`:
+  train-00000.bin       the token ids, little-endian uint16 (vocabulary <= 65536) or uint32, no header
+  train-00000.json      the sidecar: format, dtype, vocab_size, num_tokens, num_documents, tokenizer, bos/eos ids
+  train-00000.idx.npy   int64 start offsets of the documents (document boundaries)
+Shards are read through numpy.memmap, so opening a corpus of any size costs no memory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from titan_te.data import DATASETS
+from titan_te.data.errors import DataError
+from titan_te.data.token_source import TokenSource
+
+FORMAT = "titan_te.tokens/1"
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+class ShardWriter:
+    """Appends documents (token arrays, BOS/EOS included) to `<folder>/<split>-NNNNN` shards."""
+
+    def __init__(self, folder: Path, split: str, vocab_size: int, tokenizer: str, bos_id: int, eos_id: int,
+                 shard_tokens: int = 100_000_000):
+        self.folder, self.split, self.vocab_size = Path(folder), split, vocab_size
+        self.meta = {"tokenizer": tokenizer, "bos_id": bos_id, "eos_id": eos_id}
+        self.dtype, self.shard_tokens = token_dtype(vocab_size), shard_tokens
+        self.index, self.total_tokens, self.total_docs = 0, 0, 0
+        self._file = None
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def _open(self) -> None:
+        self.stem = self.folder / f"{self.split}-{self.index:05d}"
+        self._file = open(self.stem.with_suffix(".bin"), "wb")
+        self._tokens, self._starts = 0, []
+
+    def add(self, doc: np.ndarray) -> None:
+        if self._file is None:
+            self._open()
+        if len(doc) and int(doc.max()) >= self.vocab_size:
+            raise DataError(f"token id {int(doc.max())} >= vocabulary size {self.vocab_size}")
+        self._starts.append(self._tokens)
+        self._file.write(np.asarray(doc, dtype=self.dtype).tobytes())
+        self._tokens += len(doc)
+        if self._tokens >= self.shard_tokens:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        self._file.close()
+        np.save(self.stem.with_suffix(".idx.npy"), np.asarray(self._starts, dtype=np.int64))
+        side = {"format": FORMAT, "dtype": self.dtype.name, "vocab_size": self.vocab_size,
+                "num_tokens": self._tokens, "num_documents": len(self._starts), **self.meta}
+        self.stem.with_suffix(".json").write_text(json.dumps(side, indent=1) + "\n")  # written last: complete
+        self.total_tokens += self._tokens
+        self.total_docs += len(self._starts)
+        self._file, self.index = None, self.index + 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._close_shard()
+
+
+def _read_sidecar(path: Path) -> dict:
+    try:
+        side = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a token-shard sidecar ({type(e).__name__}: {e})") from None
+    if side.get("format") != FORMAT:
+        raise DataError(f"{path}: not a titan_te token shard (format {side.get('format')!r}, expected {FORMAT})")
+    return side
+
+
+def open_shards(folder: Path, split: str, tokenizer) -> TokenSource | None:
+    """The `split` shards of `folder` as one source (None when there are none)."""
+    sides = sorted(folder.glob(f"{split}-*.json"))
+    if not sides:
+        return None
+    arrays, names = [], []
+    for side_path in sides:
+        side = _read_sidecar(side_path)
+        bin_path = side_path.with_suffix(".bin")
+        if side["vocab_size"] != tokenizer.vocab_size:
+            raise DataError(f"{side_path}: made with a vocabulary of {side['vocab_size']} ({side.get('tokenizer')}) "
+                            f"but data.tokenizer has {tokenizer.vocab_size}; use the tokenizer the shards were "
+                            f"prepared with")
+        dtype = np.dtype(side["dtype"])
+        expected = side["num_tokens"] * dtype.itemsize
+        if not bin_path.is_file() or bin_path.stat().st_size != expected:
+            size = bin_path.stat().st_size if bin_path.is_file() else "missing"
+            raise DataError(f"{bin_path}: expected {expected} bytes for {side['num_tokens']} tokens, found {size}; "
+                            f"the shard is truncated or incomplete (prepare it again)")
+        if side["num_tokens"]:
+            arrays.append(np.memmap(bin_path, dtype=dtype, mode="r"))
+            names.append(str(bin_path))
+    return TokenSource(arrays, f"tokens:{folder}/{split}", tokenizer.vocab_size, names)
+
+
+@DATASETS.register("tokens")
+def build_tokens(dcfg, tokenizer) -> TokenSource:
+    folder = Path(dcfg.path)
+    if not dcfg.path or not folder.is_dir():
+        raise DataError(f"data.path: no such folder of token shards: {dcfg.path!r} "
+                        f"(make one with python -m titan_te.data.prepare)")
+    source = open_shards(folder, "train", tokenizer)
+    if source is None:
+        raise DataError(f"data.path: {folder} holds no train-*.json token shards "
+                        f"(make them with python -m titan_te.data.prepare)")
+    if source.num_tokens == 0:
+        raise DataError(f"data.path: the token shards in {folder} are empty")
+    source.validation = open_shards(folder, "val", tokenizer)
+    return source
