@@ -79,15 +79,21 @@ class Training:
 @dataclass
 class Data:
     dataset: str = opt("embedded", "dataset: embedded (Python's own source text, no download), files (text "
-                                   "files tokenized at start), tokens (shards from titan_te.data.prepare)",
+                                   "files tokenized at start), tokens (shards from titan_te.data.prepare), "
+                                   "hf (a Hugging Face dataset, streamed)",
                        registry="titan_te.data:DATASETS")
-    path: str = opt("", "files: a .txt/.jsonl/.json/.parquet file, folder or glob; tokens: the shard folder")
+    path: str = opt("", "files: a .txt/.jsonl/.json/.parquet file, folder or glob; tokens: the shard folder; "
+                        "hf: the dataset name (or a builder such as json with hf_data_files)")
     tokenizer: str = opt("byte", "tokenizer: byte (no files), hf (tokenizer.json) or tiktoken (.model)",
                          registry="titan_te.data:TOKENIZERS")
     tokenizer_path: str = opt("", "the hf / tiktoken tokenizer file (or its folder)")
     text_field: str = opt("text", "field holding the text in .jsonl / .parquet records")
     num_workers: int = opt(0, "data-loader worker processes")
     shuffle: bool = opt(True, "shuffle sequences each epoch (seeded by training.seed)")
+    hf_subset: str = opt("", "hf: the dataset's configuration (subset) name, if it has several")
+    hf_split: str = opt("train", "hf: the split to stream")
+    hf_data_files: str = opt("", "hf: data files (a path or glob) for builders such as json or parquet")
+    hf_shuffle_buffer: int = opt(10000, "hf: records in the shuffle buffer")
 
 
 @dataclass
@@ -456,6 +462,7 @@ def _check_values(cfg: Config, where: str) -> None:
     _positive("parallelism.comm_timeout_s", cfg.parallelism.comm_timeout_s, where)
     _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)
     _positive("data.num_workers", cfg.data.num_workers, where, allow_zero=True)
+    _positive("data.hf_shuffle_buffer", cfg.data.hf_shuffle_buffer, where)
     _positive("model.n_layers", cfg.model.n_layers, where, allow_zero=True)
     _positive("fp8.amax_history_len", cfg.fp8.amax_history_len, where)
     for idx in cfg.fp8.bf16_layers:

@@ -61,7 +61,9 @@ class PackedSequences(IterableDataset):
 
 def build_dataloader(source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                      shuffle: bool, num_workers: int, pin_memory: bool) -> StatefulDataLoader:
-    ds = PackedSequences(source, seq_len, batch_size, dp_rank, dp_world, seed, shuffle)
+    # A streamed source (hf) packs its own sequences; token sources are packed by window index here.
+    make = getattr(source, "sequences", None) or (lambda *a: PackedSequences(source, *a))
+    ds = make(seq_len, batch_size, dp_rank, dp_world, seed, shuffle)
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated API
     return StatefulDataLoader(ds, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
                               prefetch_factor=4 if num_workers else None,

@@ -1,0 +1,154 @@
+"""`hf`: a Hugging Face dataset streamed through the `datasets` package (pip install 'titan_te[hf]').
+
+`data.path` is what `datasets.load_dataset` takes as its first argument (a hub name such as
+`HuggingFaceFW/fineweb`, or a builder such as `json` / `parquet` with `data.hf_data_files`);
+`data.hf_subset` and `data.hf_split` pick the part and `data.text_field` the text column. Nothing is
+downloaded up front: every data-parallel rank and loader worker streams its own share (whole files
+when the dataset has a multiple of that many, else every n-th record), tokenizes documents as they
+arrive and packs them into windows of seq_len + 1 tokens (BOS + text + EOS per document).
+
+Shuffling is the dataset's seeded file order plus a buffer of `data.hf_shuffle_buffer` records,
+reseeded per epoch. A stream's state is (epoch, records read, token offset into the record the next
+window starts in); a restored loader re-reads the consumed records without tokenizing them and then
+yields exactly the windows an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from titan_te.data import DATASETS
+from titan_te.data.errors import DataError
+
+logger = logging.getLogger("titan_te")
+READ_BATCH = 256  # records fetched per request
+
+
+def _datasets():
+    try:
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+    except ImportError:
+        raise DataError("data.dataset = 'hf' streams through the datasets package, which is not installed "
+                        "(pip install 'titan_te[hf]')") from None
+    return datasets, split_dataset_by_node
+
+
+def open_stream(dcfg):
+    datasets, _ = _datasets()
+    try:
+        return datasets.load_dataset(dcfg.path, name=dcfg.hf_subset or None, split=dcfg.hf_split,
+                                     data_files=dcfg.hf_data_files or None, streaming=True)
+    except Exception as e:  # the datasets package raises many kinds (not found, no network, bad split)
+        raise DataError(f"data.path: cannot stream the Hugging Face dataset {dcfg.path!r} "
+                        f"(subset {dcfg.hf_subset or '-'}, split {dcfg.hf_split}): "
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
+
+
+class HFStreamSource:
+    """What build_dataloader gets for `hf`: it makes its own stream per rank (see `sequences`)."""
+
+    validation = None
+
+    def __init__(self, dcfg, tokenizer):
+        self.dcfg, self.tokenizer = dcfg, tokenizer
+        self.name = f"hf:{dcfg.path}"
+        self.vocab_size = tokenizer.vocab_size
+        first = next(iter(open_stream(dcfg).take(1)), None)  # fail here, not in a loader worker
+        if first is None:
+            raise DataError(f"data.path: the Hugging Face dataset {dcfg.path!r} (split {dcfg.hf_split}) is empty")
+        if dcfg.text_field not in first:
+            raise DataError(f"data.path: records of {dcfg.path!r} have no field '{dcfg.text_field}' "
+                            f"(fields: {', '.join(first)}; set data.text_field)")
+
+    def split(self, fraction: float):
+        raise DataError("validation.enable with data.dataset = 'hf': a streamed dataset has no held-out part; "
+                        "tokenize it with `python -m titan_te.data.prepare --input hf:NAME --val_fraction F` "
+                        "and train on the tokens dataset, or set validation.enable = false")
+
+    def sequences(self, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int, shuffle: bool):
+        return HFSequences(self.dcfg, self.tokenizer, seq_len, dp_rank, dp_world, seed, shuffle)
+
+
+class HFSequences(IterableDataset):
+    def __init__(self, dcfg, tokenizer, seq_len: int, dp_rank: int, dp_world: int, seed: int, shuffle: bool):
+        self.dcfg, self.tokenizer, self.seq_len = dcfg, tokenizer, seq_len
+        self.dp_rank, self.dp_world, self.seed, self.shuffle = dp_rank, dp_world, seed, shuffle
+        self.epoch, self.record, self.offset = 0, 0, 0
+
+    def _texts(self, epoch: int, part: int, parts: int):
+        """(record index, text) of this rank/worker's share of one epoch."""
+        _, split_by_node = _datasets()
+        ds = open_stream(self.dcfg)
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed, buffer_size=self.dcfg.hf_shuffle_buffer)
+            ds.set_epoch(epoch)
+        ds = split_by_node(ds, rank=part, world_size=parts)
+        field, i = self.dcfg.text_field, 0
+        # .iter() reads in this process; plain iteration inside a DataLoader worker would re-split by worker.
+        for batch in ds.iter(batch_size=READ_BATCH):
+            if field not in batch:
+                raise DataError(f"{self.dcfg.path}: a record has no field '{field}' (set data.text_field)")
+            for text in batch[field]:
+                yield i, text
+                i += 1
+
+    def _tokens(self, text) -> np.ndarray:
+        if not isinstance(text, str) or not text:
+            return np.zeros(0, np.int64)
+        tok = self.tokenizer
+        return np.concatenate([[tok.bos_id], np.asarray(tok.encode(text), np.int64), [tok.eos_id]])
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        part, parts = self.dp_rank * n_workers + worker, self.dp_world * n_workers
+        span = self.seq_len + 1
+        while True:
+            start_record, start_offset, windows = self.record, self.offset, 0
+            pending, held = [], 0
+            segments = deque()  # [record, its token count, its tokens still in `pending`]
+            for i, text in self._texts(self.epoch, part, parts):
+                if i < start_record:
+                    continue  # consumed before the restore
+                toks = self._tokens(text)
+                full = len(toks)
+                if i == start_record:
+                    toks = toks[start_offset:]
+                if not len(toks):
+                    continue
+                pending.append(toks)
+                segments.append([i, full, len(toks)])
+                held += len(toks)
+                while held >= span:
+                    buf = np.concatenate(pending)
+                    window = torch.from_numpy(buf[:span].copy())
+                    pending, held = [buf[self.seq_len:]], held - self.seq_len
+                    drop = self.seq_len  # the next window starts seq_len tokens later
+                    while drop and drop >= segments[0][2]:
+                        drop -= segments.popleft()[2]
+                    segments[0][2] -= drop
+                    self.record, self.offset = segments[0][0], segments[0][1] - segments[0][2]
+                    windows += 1
+                    yield {"input": window[:-1], "labels": window[1:], "epoch": self.epoch}
+            if windows == 0 and start_record == 0 and start_offset == 0:
+                raise DataError(f"hf:{self.dcfg.path}: share {part} of {parts} (data-parallel rank x loader "
+                                f"worker) holds less than one sequence of training.seq_len + 1 = {span} tokens; "
+                                f"use fewer data.num_workers or ranks, a shorter seq_len, or more data")
+            self.epoch, self.record, self.offset = self.epoch + 1, 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "record": self.record, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.record, self.offset = int(state["epoch"]), int(state["record"]), int(state["offset"])
+        if self.record:
+            logger.info(f"data: resuming hf:{self.dcfg.path} at epoch {self.epoch}, record {self.record:,} "
+                        f"(re-reading the records before it)")
+
+
+DATASETS.register("hf")(HFStreamSource)
