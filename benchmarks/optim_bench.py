@@ -67,7 +67,7 @@ def make_params(flavor: str, ranks: int, kind: str, mesh) -> list[torch.nn.Param
     return params
 
 
-def build(name: str, params, kind: str):
+def build(name: str, params, kind: str, streams: int = 1):
     moments = torch.bfloat16 if kind == "fp8bm" else torch.float32
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -78,7 +78,7 @@ def build(name: str, params, kind: str):
                            exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     from titan_te.optim.fused_adam import FusedAdam
 
-    return FusedAdam(params, lr=1e-4, master_weights=True, moment_dtype=moments)
+    return FusedAdam(params, lr=1e-4, master_weights=True, moment_dtype=moments, streams=streams)
 
 
 def time_steps(opt, warmup: int, iters: int) -> float:
@@ -103,8 +103,16 @@ def main() -> int:
     ap.add_argument("--kinds", default="fp32,fp8,fp8bm")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--optimizers", default="", help="comma-separated subset of adamw,te_fused_adam,fused_adam")
+    ap.add_argument("--streams", type=int, default=1, help="fused_adam: CUDA streams for its kernel launches")
+    ap.add_argument("--chunk", type=int, default=0, help="fused_adam: elements per block of TE's kernels "
+                                                        "(default: fused_adam.TE_CHUNK)")
     ap.add_argument("--hbm_tbs", type=float, default=4.3, help="HBM bandwidth in TB/s (H200: 4.8 peak, 4.3 usable)")
     a = ap.parse_args()
+    if a.chunk:
+        from titan_te.optim import fused_adam
+
+        fused_adam.TE_CHUNK = a.chunk
     if not torch.cuda.is_available():
         print("optim_bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -114,13 +122,14 @@ def main() -> int:
     print(f"{'kind':<5} {'ranks':>5} {'M elems':>9} {'optimizer':<14} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for kind in a.kinds.split(","):
         names = ["adamw", "te_fused_adam", "fused_adam"] if kind == "fp32" else ["te_fused_adam", "fused_adam"]
+        names = [n for n in names if not a.optimizers or n in a.optimizers.split(",")]
         for ranks in [int(r) for r in a.ranks.split(",")]:
             for name in names:
                 params = make_params(a.flavor, ranks, kind, mesh)
                 n = sum(p.to_local().numel() for p in params)
                 floor = floor_bytes(params, kind) / (a.hbm_tbs * 1e12) * 1e3
                 try:
-                    opt = build(name, params, kind)
+                    opt = build(name, params, kind, a.streams)
                     ms = time_steps(opt, a.warmup, a.iters)
                 except RuntimeError as e:  # report, and go on with the other optimizers
                     print(f"{kind:<5} {ranks:>5} {n / 1e6:>9.1f} {name:<14} fails: {str(e).splitlines()[0][-110:]}")

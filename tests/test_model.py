@@ -39,6 +39,25 @@ def test_causal_future_tokens_do_not_change_past_logits():
     assert not torch.allclose(a[:, 12:], b[:, 12:], atol=1e-3)
 
 
+def test_document_mask_keeps_attention_inside_each_packed_document():
+    from titan_te.layers.torch_block import document_mask
+
+    model = tiny_model()
+    model.document_mask = document_mask
+    bos = 256
+    a = torch.cat([torch.tensor([bos]), torch.randint(0, 250, (9,))])
+    b = torch.cat([torch.tensor([bos]), torch.randint(0, 250, (13,))])
+    packed = torch.cat([a, b])[None]
+    with torch.no_grad():
+        together = model(packed, doc_start=packed == bos)
+        alone_a, alone_b = model(a[None]), model(b[None])
+        unmasked = model(packed)
+    assert torch.allclose(together[0, :10], alone_a[0], atol=1e-5)
+    # the second document sees nothing of the first, and RoPE is relative: as if it stood alone
+    assert torch.allclose(together[0, 10:], alone_b[0], atol=1e-4)
+    assert not torch.allclose(unmasked[0, 10:], alone_b[0], atol=1e-3)
+
+
 def test_parameter_names_follow_transformer_engine():
     model = tiny_model()
     block = {n.split(".", 2)[2] for n, _ in model.named_parameters() if n.startswith("layers.0.")}

@@ -7,18 +7,21 @@ from helpers import make_cfg, run_ranks
 pytestmark = pytest.mark.gpu
 
 
-def _te_and_torch_models():
+def _te_and_torch_models(document_mask: bool = False):
     from titan_te.init_weights import init_weights
+    from titan_te.layers import BACKENDS
     from titan_te.layers.te_block import te_block, te_materialize
     from titan_te.layers.torch_block import TorchBlock
     from titan_te.models.llama import Llama, resolve_args
 
     args = resolve_args("debug", 320, 128, n_layers=2)
     dev = torch.device("cuda")
-    ref = Llama(args, TorchBlock).to(dev)
+    masks = {name: BACKENDS.get(name).document_mask if document_mask else None for name in ("torch", "te")}
+    ref = Llama(args, TorchBlock, masks["torch"]).to(dev)
     init_weights(ref, ref.init_rule, 0, dev)
     with torch.device("meta"):
-        te_model = Llama(args, lambda a, i: te_block(a, i, params_dtype=torch.float32))
+        te_model = Llama(args, lambda a, i: te_block(a, i, params_dtype=torch.float32, document_mask=document_mask),
+                         masks["te"])
     te_materialize(te_model, dev)
     te_model.init_buffers(dev)
     missing, unexpected = te_model.load_state_dict(ref.state_dict(), strict=False)
@@ -34,6 +37,25 @@ def test_te_and_torch_backends_agree_in_bf16():
     rel = ((a - b).norm() / a.norm()).item()
     print(f"te vs torch forward relative error {rel:.2e}")
     assert rel < 1e-2
+
+
+def test_te_document_mask_matches_torch_and_trains(tmp_path):
+    """TE's THD packed attention gives what the torch backend's block-diagonal causal mask gives."""
+    ref, te_model = _te_and_torch_models(document_mask=True)
+    x = torch.randint(0, 256, (2, 128), device="cuda")
+    x[0, [0, 17, 60]] = 256  # documents of 17, 43 and 68 tokens; row 1 continues one document
+    x[1, 90] = 256
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = ref(x, doc_start=x == 256), te_model(x, doc_start=x == 256)
+        plain = ref(x)
+    rel = ((a - b).norm() / a.norm()).item()
+    later = a[0, 17:]  # tokens after the first boundary: the mask changes what they see
+    crossing = ((later - plain[0, 17:]).norm() / later.norm()).item()
+    print(f"document mask: te vs torch relative error {rel:.2e} (masked vs unmasked {crossing:.2e})")
+    assert rel < 1e-2 and crossing > 5 * rel
+    losses = run_ranks(_train, 1, str(tmp_path), {"model.document_mask": True, "fp8.enable": True})[0]
+    print("document mask fp8", losses[0], losses[-1])
+    assert losses[-1] < 0.7 * losses[0]
 
 
 def _train(rank, world, tmp, overrides):
@@ -152,3 +174,28 @@ def test_fused_adam_trains_fp8_weights_with_bf16_moments(tmp_path):
     losses, moved, kind = run_ranks(_optimizer_run, 1, str(tmp_path), "fused_adam", "bfloat16")[0]
     print(f"bf16 moments: {losses[0]:.4f} -> {losses[-1]:.4f}, max weight change {moved:.3e}")
     assert kind == "Float8Tensor" and moved > 0 and losses[-1] < 0.8 * losses[0]
+
+
+def test_fp8_amax_and_scale_statistics_reach_tensorboard(tmp_path):
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model.backend=te", "--fp8.enable=true",
+                        "--training.steps=12", "--metrics.log_freq=4", "--metrics.fp8_stats_freq=4",
+                        f"--job.dump_folder={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    acc = EventAccumulator(str(tmp_path / "debug/tb"))
+    acc.Reload()
+    for group in ("attention_qkv", "attention_proj", "mlp"):
+        for direction in ("fwd", "bwd"):
+            amax = acc.Scalars(f"fp8/{group}/{direction}_amax")
+            scale = acc.Scalars(f"fp8/{group}/{direction}_scale_min")
+            print(group, direction, [round(e.value, 5) for e in amax], [round(e.value, 1) for e in scale])
+            assert {4, 8, 12} <= {e.step for e in amax}
+            assert all(e.value > 0 for e in amax)
+            # delayed scaling has moved the scales off their initial 1.0 (amax << the FP8 maximum)
+            assert scale[-1].value > 1.0

@@ -56,6 +56,8 @@ class Model:
     backend: str = opt("auto", "layer backend: auto (te when CUDA and TE are present), torch or te",
                        registry="titan_te.layers:BACKENDS")
     n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)")
+    document_mask: bool = opt(False, "attention stays inside each packed document (a document starts at the "
+                                     "tokenizer's BOS); off: sequences attend across document boundaries")
     fuse_wgrad_accumulation: bool = opt(False, "te backend: accumulate weight gradients into param.main_grad "
                                                "(not supported: bypasses the data-parallel reduction)")
 

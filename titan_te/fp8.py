@@ -88,9 +88,9 @@ STAT_GROUPS = {"layernorm_qkv": "attention_qkv", "proj": "attention_proj", "laye
 
 
 def fp8_stats(model) -> dict[str, float]:
-    """Delayed-scaling statistics per layer group, over all blocks: the largest latest amax and the
-    smallest scale of the forward (activations, weights) and backward (gradients) tensors. Empty for
-    recipes that keep no scaling state (current, block)."""
+    """Delayed-scaling statistics per layer group, over all blocks: the largest amax in the history
+    window and the smallest scale of the tensors quantized in the forward (activations, weights) and
+    the backward (gradients). Empty for recipes that keep no scaling state (current, block)."""
     acc: dict[str, list[float]] = {}
     for name, module in model.named_modules():
         meta = getattr(module, "fp8_meta", None)
@@ -101,8 +101,12 @@ def fp8_stats(model) -> dict[str, float]:
             scaling = meta.get(f"scaling_{direction}")
             if scaling is None or not hasattr(scaling, "amax_history"):
                 continue
-            amax = scaling.amax_history[0].max().item()
-            scale = scaling.scale.min().item()
+            window = scaling.amax_history.amax(dim=0)  # per tensor slot, over the history window
+            used = window > 0  # slots a GEMM never quantizes (e.g. outputs) keep amax 0 and scale 1
+            if not bool(used.any()):
+                continue
+            amax = window.max().item()
+            scale = scaling.scale[used].min().item()
             key = f"{group}/{direction}"
             prev = acc.get(key)
             acc[key] = [max(amax, prev[0]), min(scale, prev[1])] if prev else [amax, scale]

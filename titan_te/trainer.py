@@ -107,8 +107,8 @@ class Trainer:
         self.model_args = resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
                                        cfg.model.n_layers)
         with torch.device("meta"):
-            model = spec.build(self.model_args, self.backend, fp8=self.fp8 if self.fp8.enabled else None,
-                               params_dtype=torch.float32)
+            model = spec.build(self.model_args, self.backend, document_mask=cfg.model.document_mask,
+                               fp8=self.fp8 if self.fp8.enabled else None, params_dtype=torch.float32)
         self.model = model  # the unwrapped module: names, init rules, state dicts
 
         # 4. activation checkpointing, compile, data parallelism
@@ -197,6 +197,12 @@ class Trainer:
 
     ignore_index = IGNORE_INDEX
 
+    def logits(self, inp: torch.Tensor) -> torch.Tensor:
+        """The model's forward on one micro-batch (with document starts when model.document_mask)."""
+        kwargs = {"doc_start": inp == self.tokenizer.bos_id} if self.cfg.model.document_mask else {}
+        with self.forward_context():
+            return self.train_model(inp, **kwargs)
+
     @staticmethod
     def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy summed over the valid (not ignored) tokens."""
@@ -212,8 +218,7 @@ class Trainer:
         # whatever the split into ranks and micro-batches.
         loss_sum = torch.zeros((), device=self.device)
         for mb in microbatches:
-            with self.forward_context():
-                logits = self.train_model(mb["input"])
+            logits = self.logits(mb["input"])
             loss = self.token_loss_sum(logits, mb["labels"]) / global_tokens
             loss.backward()
             loss_sum += loss.detach()

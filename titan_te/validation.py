@@ -32,8 +32,7 @@ class Validator:
         for _ in range(self.cfg.steps):
             batch = next(batches)
             inp, labels = batch["input"].to(trainer.device), batch["labels"].to(trainer.device)
-            with trainer.forward_context():
-                logits = model(inp)
+            logits = trainer.logits(inp)
             loss_sum += trainer.token_loss_sum(logits, labels)
             tokens += (labels != trainer.ignore_index).sum()
         model.train()

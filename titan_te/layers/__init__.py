@@ -12,6 +12,9 @@ class BackendSpec:
     available: Callable[[], str]  # "" when usable here, else the reason it is not
     materialize: Callable | None = None  # materialize(model, device) after sharding; default to_empty
     write: Callable | None = None  # write(param_local, value) for init; default copy_
+    # document_mask(doc_start [batch, seq] bool) -> what the blocks take as `mask` so that attention
+    # stays inside each packed document (model.document_mask)
+    document_mask: Callable | None = None
 
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")

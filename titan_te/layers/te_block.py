@@ -45,19 +45,24 @@ def _block_class():
             self.checkpointed = True
             self.keep_gathered_for_recompute = self.fp8_params
 
-        def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: dict | None = None) -> torch.Tensor:  # type: ignore[override]
             ctx = te.autocast(enabled=False) if self.fp8_disabled else contextlib.nullcontext()
+            kwargs = {"rotary_pos_emb": angles, **(mask or {})}
+            shape = x.shape
+            if mask is not None:  # packed documents: TE's THD layout, one "sequence" per document
+                x = x.reshape(-1, shape[-1])
             with ctx:
                 if self.checkpointed and torch.is_grad_enabled():
-                    return te.distributed.checkpoint(super().forward, x, rotary_pos_emb=angles,
-                                                     use_reentrant=False)
-                return super().forward(x, rotary_pos_emb=angles)
+                    out = te.distributed.checkpoint(super().forward, x, use_reentrant=False, **kwargs)
+                else:
+                    out = super().forward(x, **kwargs)
+            return out.view(shape)
 
     _BLOCK_CLASS = TEBlock
     return TEBlock
 
 
-def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32):
+def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32, document_mask: bool = False):
     keep_bf16 = fp8 is not None and layer_id in fp8.bf16_block_ids(args.n_layers)
     init_ctx = fp8.model_init() if fp8 is not None and not keep_bf16 else contextlib.nullcontext()
     with init_ctx:
@@ -75,7 +80,7 @@ def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.fl
             bias=False,
             activation="swiglu",
             normalization="RMSNorm",
-            attn_input_format="bshd",
+            attn_input_format="thd" if document_mask else "bshd",
             params_dtype=params_dtype,
             device="meta",
         )
@@ -111,5 +116,17 @@ def te_write(target: torch.Tensor, value: torch.Tensor, keep_high_precision: boo
         target.copy_(value)
 
 
+def te_document_mask(doc_start: torch.Tensor) -> dict:
+    """TE forward arguments that cut the flattened batch into documents (THD cumulative lengths);
+    every row also starts a new one."""
+    b, s = doc_start.shape
+    starts = doc_start.clone()
+    starts[:, 0] = True
+    cu = torch.nonzero(starts.flatten()).flatten().to(torch.int32)
+    cu = torch.cat([cu, cu.new_tensor([b * s])])
+    return {"self_attn_mask_type": "padding_causal", "cu_seqlens_q": cu, "cu_seqlens_kv": cu,
+            "max_seqlen_q": s, "max_seqlen_kv": s}
+
+
 BACKENDS.register("te")(BackendSpec(name="te", block=te_block, available=te_unavailable_reason,
-                                    materialize=te_materialize, write=te_write))
+                                    materialize=te_materialize, write=te_write, document_mask=te_document_mask))

@@ -48,7 +48,7 @@ class SelfAttention(nn.Module):
         self.layernorm_qkv = LayerNormLinear(args.dim, qkv_out, args.norm_eps)
         self.proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         per_group = self.n_heads // self.n_kv
         qkv = self.layernorm_qkv(x).view(b, s, self.n_kv, per_group + 2, self.hd)
@@ -57,7 +57,7 @@ class SelfAttention(nn.Module):
         k = apply_rope(k.reshape(b, s, self.n_kv, self.hd), angles)
         v = v.reshape(b, s, self.n_kv, self.hd)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=per_group > 1)
+                                             attn_mask=mask, is_causal=mask is None, enable_gqa=per_group > 1)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.n_heads * self.hd))
 
 
@@ -76,15 +76,25 @@ class LayerNormMLP(nn.Module):
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32):
+    def __init__(self, args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32,
+                 document_mask: bool = False):
         super().__init__()
         self.layer_id = layer_id
         self.self_attention = SelfAttention(args)
         self.layernorm_mlp = LayerNormMLP(args)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(x, angles)
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attention(x, angles, mask)
         return x + self.layernorm_mlp(x)
 
 
-BACKENDS.register("torch")(BackendSpec(name="torch", block=TorchBlock, available=lambda: ""))
+def document_mask(doc_start: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool, True where a query may attend: causal and inside its own document."""
+    doc = doc_start.cumsum(1)
+    s = doc_start.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_start.device).tril()
+    return (doc[:, None, :, None] == doc[:, None, None, :]) & causal
+
+
+BACKENDS.register("torch")(BackendSpec(name="torch", block=TorchBlock, available=lambda: "",
+                                       document_mask=document_mask))

@@ -78,9 +78,11 @@ def rope_angles(args: LlamaArgs, seq_len: int, device=None) -> torch.Tensor:
 
 
 class Llama(nn.Module):
-    def __init__(self, args: LlamaArgs, block_factory):
+    def __init__(self, args: LlamaArgs, block_factory, document_mask=None):
+        """document_mask: the backend's mask builder when attention must stay inside documents."""
         super().__init__()
         self.args = args
+        self.document_mask = document_mask
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by str(i) keeps names stable (layers.<i>.*) when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block_factory(args, i) for i in range(args.n_layers)})
@@ -104,24 +106,28 @@ class Llama(nn.Module):
             return "normal", 0.02 / math.sqrt(2 * (layer_id + 1))
         return "normal", 0.02
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """doc_start [batch, seq] bool marks the first token of each packed document (used when the
+        model was built with a document mask)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)
         rope = self.rope[:seq]
+        mask = None if self.document_mask is None or doc_start is None else self.document_mask(doc_start)
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, mask)
         h = self.norm(h)
         return self.output(h).float()
 
 
-def build_llama(args: LlamaArgs, backend: str, **block_options) -> Llama:
+def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **block_options) -> Llama:
     """block_options (fp8, params_dtype) go to the backend's block builder."""
     from titan_te.layers import BACKENDS
 
-    block = BACKENDS.get(backend).block
-    return Llama(args, lambda a, i: block(a, i, **block_options))
+    spec = BACKENDS.get(backend)
+    return Llama(args, lambda a, i: spec.block(a, i, document_mask=document_mask, **block_options),
+                 spec.document_mask if document_mask else None)
 
 
 def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:

@@ -16,6 +16,7 @@ Kinds (the `kind` of a bucket):
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +72,7 @@ class Bucket:
 class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  master_weights: bool = True, moment_dtype: torch.dtype = torch.float32,
-                 store_param_remainders: bool = False, use_te_kernels: bool | None = None):
+                 store_param_remainders: bool = False, use_te_kernels: bool | None = None, streams: int = 1):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
         super().__init__(params, defaults)
         self.master_weights = master_weights
@@ -83,6 +84,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._te = kernels if use_te_kernels is not False else None
         self._buckets: list[Bucket] | None = None
         self._noop = None
+        # streams > 1: TE kernel launches are spread over that many CUDA streams (each launch holds a
+        # bounded number of blocks, so concurrent launches can keep more of the GPU busy)
+        self._streams = streams if self._te is not None else 1
+        self._side: list | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 self._kind(p)  # refuse unsupported combinations now, not at the first step
@@ -248,12 +253,47 @@ class FusedAdam(torch.optim.Optimizer):
         if any(t.numel() == 0 for t in grads):  # an FSDP2 shard can be empty on some ranks
             keep = [i for i, t in enumerate(grads) if t.numel()]
             lists = [[lst[i] for i in keep] for lst in lists]
-        for start in range(0, len(lists[0]), TE_MAX_TENSORS):
-            fn(TE_CHUNK, self._noop, [lst[start:start + TE_MAX_TENSORS] for lst in lists], lr, beta1, beta2, eps,
-               step, 1, 1, wd, *extra)  # mode 1 = AdamW (decoupled decay), bias correction on
+        for sub, stream in self._spread(lists):
+            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                for start in range(0, len(sub[0]), TE_MAX_TENSORS):
+                    fn(TE_CHUNK, self._noop, [lst[start:start + TE_MAX_TENSORS] for lst in sub], lr, beta1, beta2,
+                       eps, step, 1, 1, wd, *extra)  # mode 1 = AdamW (decoupled decay), bias correction on
+        self._join_streams()
         if extra:
             for w in weights:
                 w._reset_caches()  # a cached FP8 transpose is stale now
+
+    def _spread(self, lists):
+        """(tensor lists, stream or None) parts of about equal element counts, one per stream; the
+        side streams first wait for the work queued so far on the current stream."""
+        if self._streams == 1:
+            return [(lists, None)]
+        if self._side is None:
+            self._side = [torch.cuda.Stream() for _ in range(self._streams - 1)]
+        current = torch.cuda.current_stream()
+        sizes = [t.numel() for t in lists[0]]
+        per, parts, acc, start = sum(sizes) / self._streams, [], 0, 0
+        for i, n in enumerate(sizes):
+            acc += n
+            if acc >= per * (len(parts) + 1) and len(parts) < self._streams - 1:
+                parts.append((start, i + 1))
+                start = i + 1
+        parts.append((start, len(sizes)))
+        out = []
+        for k, (a, b) in enumerate(parts):
+            if a == b:
+                continue
+            stream = None if k == 0 else self._side[k - 1]
+            if stream is not None:
+                stream.wait_stream(current)
+            out.append(([lst[a:b] for lst in lists], stream))
+        return out
+
+    def _join_streams(self) -> None:
+        if self._side is not None:
+            current = torch.cuda.current_stream()
+            for stream in self._side:
+                current.wait_stream(stream)
 
     @staticmethod
     def _torch_update(kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
