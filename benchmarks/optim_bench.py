@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--optimizers", default="", help="comma-separated subset of adamw,te_fused_adam,fused_adam")
-    ap.add_argument("--streams", type=int, default=1, help="fused_adam: CUDA streams for its kernel launches")
+    ap.add_argument("--streams", type=int, default=2, help="fused_adam: CUDA streams for its kernel launches")
     ap.add_argument("--chunk", type=int, default=0, help="fused_adam: elements per block of TE's kernels "
                                                         "(default: fused_adam.TE_CHUNK)")
     ap.add_argument("--hbm_tbs", type=float, default=4.3, help="HBM bandwidth in TB/s (H200: 4.8 peak, 4.3 usable)")
