@@ -158,6 +158,44 @@ def test_disk_full_keeps_training_and_previous_checkpoint(tmp_path, monkeypatch)
         tr.checkpointer.save(8, last=True)
 
 
+def test_unwritable_folder_mid_run_keeps_training_and_at_startup_is_one_clear_error(tmp_path, monkeypatch, caplog):
+    import logging
+    from pathlib import Path
+
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(_cfg(str(tmp_path), 1))
+    tr.train(until_step=5)  # step-5 saved
+    real_mkdir = Path.mkdir
+
+    def denied(self, *a, **kw):
+        if self.name.endswith(".tmp"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    caplog.set_level(logging.INFO, logger="titan_te")
+    tr.checkpointer.save(7)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("save at step 7" in m and "Permission denied" in m and "newest good checkpoint is" in m and
+               "step-5" in m for m in msgs), msgs
+    assert not any("saved step 7" in m for m in msgs)  # a failed save is never reported as saved
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    assert len(tr.train(until_step=8)) == 8
+    tr.close()
+    assert sorted(p.name for p in (tmp_path / "t/checkpoint").iterdir()) == ["step-5"]
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
+                        "--checkpoint.enable", f"--checkpoint.folder={blocker / 'ck'}"],
+                       capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")})
+    assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"checkpoint error: checkpoint.folder {blocker / 'ck'} cannot be written")
+    assert "training from step" not in r.stdout  # refused before the first step
+
+
 def test_sigterm_saves_and_exits_with_documented_code_then_resumes(tmp_path):
     from titan_te.preemption import EXIT_PREEMPTED
 

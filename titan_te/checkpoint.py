@@ -164,6 +164,8 @@ class CheckpointManager:
             pinned = ckcfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                                        use_async_staging=True, use_non_blocking_copy=pinned))
+        if self.enabled:
+            self._check_writable()
 
     # --- what is saved ---------------------------------------------------------------------------
     def _state_to_save(self, model_only: bool, export_dtype: torch.dtype | None) -> dict:
@@ -195,17 +197,16 @@ class CheckpointManager:
         t0 = self._save_started = time.perf_counter()
         tmp = self.folder / f"step-{step}.tmp"
         model_only = last and self.cfg.last_save_model_only
+        published = False
         try:
-            if self.rank == 0:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                tmp.mkdir(parents=True, exist_ok=True)
-            dist.barrier()
+            self._on_rank0(lambda: (shutil.rmtree(tmp) if tmp.exists() else None,
+                                    tmp.mkdir(parents=True, exist_ok=True)))
             state = self._state_to_save(model_only, getattr(torch, self.cfg.export_dtype) if model_only else None)
             mode = "disabled" if last else self.cfg.async_mode
             if mode == "disabled":
                 dcp.save(state, checkpoint_id=str(tmp))
                 self._publish(step, tmp)
+                published = True
             else:
                 resp = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.pg,
                                       async_stager=self.stager)
@@ -215,9 +216,39 @@ class CheckpointManager:
             self._discard(tmp)
             self._report_failure(step, e, fatal=last)
         self.last_blocked_s = time.perf_counter() - t0
-        if self._pending is None and self.rank == 0:
+        if published and self.rank == 0:
             logger.info(f"checkpoint: saved step {step} to {step_dir(self.folder, step)} "
                         f"({self.last_blocked_s:.2f}s)")
+
+    def _on_rank0(self, fn) -> None:
+        """Run a file-system action on rank 0; every rank raises if it failed (no rank is left
+        waiting in a collective for one that gave up)."""
+        err = None
+        if self.rank == 0:
+            try:
+                fn()
+            except OSError as e:
+                err = f"{type(e).__name__}: {e}"
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise OSError(box[0])
+
+    def _check_writable(self) -> None:
+        """Fail at startup, not at the first save hours later, when the folder cannot be written."""
+        probe = self.folder / f".write-test-{os.getpid()}"
+
+        def touch():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+
+        try:
+            self._on_rank0(touch)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.folder {self.folder} cannot be written ({e}); point "
+                                  f"--checkpoint.folder at a writable place or set --checkpoint.enable=false") \
+                from None
 
     def wait_for_staging(self) -> float:
         """Before the optimizer changes the weights, the pinned-memory copy must be complete."""

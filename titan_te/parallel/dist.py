@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from titan_te.config import ConfigError
 
 
 @dataclass
@@ -44,7 +45,8 @@ def _free_port() -> int:
 
 def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: int = 1800) -> DistEnv:
     """Join (or, without torchrun, create) the process group and build the data-parallel mesh."""
-    if "RANK" not in os.environ:  # a plain `python train.py`: a group of one
+    alone = "RANK" not in os.environ  # a plain `python train.py`: a group of one
+    if alone:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -56,9 +58,20 @@ def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: in
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+    for attempt in range(3 if alone else 1):
+        if dist.is_initialized():
+            break
+        try:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        except dist.DistNetworkError as e:  # the port was taken (by another job, or since we picked it)
+            if alone and attempt < 2:
+                os.environ["MASTER_PORT"] = str(_free_port())
+                continue
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise ConfigError(f"cannot start the process group at {where} ({str(e).splitlines()[0][:200]}); "
+                              f"another job may hold the port: pick one with MASTER_PORT or torchrun "
+                              f"--master_port") from None
     mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)
 
