@@ -51,7 +51,10 @@ def test_document_mask_keeps_attention_inside_each_packed_document():
     with torch.no_grad():
         together = model(packed, doc_start=packed == bos)
         alone_a, alone_b = model(a[None]), model(b[None])
+        one_document = model(packed)  # no boundaries given: the row is one document
+        model.document_mask = None
         unmasked = model(packed)
+    assert torch.allclose(one_document, unmasked, atol=1e-5)
     assert torch.allclose(together[0, :10], alone_a[0], atol=1e-5)
     # the second document sees nothing of the first, and RoPE is relative: as if it stood alone
     assert torch.allclose(together[0, 10:], alone_b[0], atol=1e-4)

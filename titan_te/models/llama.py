@@ -114,7 +114,11 @@ class Llama(nn.Module):
             raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)
         rope = self.rope[:seq]
-        mask = None if self.document_mask is None or doc_start is None else self.document_mask(doc_start)
+        mask = None
+        if self.document_mask is not None:  # blocks built for packed documents need a mask every time
+            if doc_start is None:  # no boundaries given: each row is one document
+                doc_start = torch.zeros_like(tokens, dtype=torch.bool)
+            mask = self.document_mask(doc_start)
         for block in self.layers.values():
             h = block(h, rope, mask)
         h = self.norm(h)
