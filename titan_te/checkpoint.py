@@ -114,6 +114,13 @@ def _env(key: str, value: str):
             os.environ[key] = old
 
 
+def _fresh_folder(path: Path) -> None:
+    """An empty folder at `path` (what an earlier, interrupted save left there is removed)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -199,8 +206,7 @@ class CheckpointManager:
         model_only = last and self.cfg.last_save_model_only
         published = False
         try:
-            self._on_rank0(lambda: (shutil.rmtree(tmp) if tmp.exists() else None,
-                                    tmp.mkdir(parents=True, exist_ok=True)))
+            self._on_rank0(lambda: _fresh_folder(tmp))
             state = self._state_to_save(model_only, getattr(torch, self.cfg.export_dtype) if model_only else None)
             mode = "disabled" if last else self.cfg.async_mode
             if mode == "disabled":

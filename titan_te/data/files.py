@@ -13,7 +13,7 @@ import numpy as np
 from titan_te.data import DATASETS
 from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.data.errors import DataError
-from titan_te.data.token_source import TokenSource
+from titan_te.data.token_source import TokenSource, join_documents
 
 logger = logging.getLogger("titan_te")
 
@@ -22,12 +22,8 @@ logger = logging.getLogger("titan_te")
 def build_files(dcfg, tokenizer) -> TokenSource:
     files = resolve_files(dcfg.path)
     t0 = time.perf_counter()
-    parts, docs = [], 0
-    bos, eos = np.array([tokenizer.bos_id], np.int32), np.array([tokenizer.eos_id], np.int32)
-    for text, _ in iter_documents(files, dcfg.text_field):
-        parts += [bos, np.asarray(tokenizer.encode(text), dtype=np.int32), eos]
-        docs += 1
-    tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    tokens = join_documents((text for text, _ in iter_documents(files, dcfg.text_field)), tokenizer)
+    docs = int(np.count_nonzero(tokens == tokenizer.bos_id))
     if docs == 0:
         raise DataError(f"data.path: {dcfg.path} holds no documents (all {len(files)} file(s) are empty)")
     logger.info(f"data: {docs:,} documents, {len(tokens):,} tokens from {len(files)} file(s) in "

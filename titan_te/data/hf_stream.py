@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from titan_te.data import DATASETS
 from titan_te.data.errors import DataError
+from titan_te.data.token_source import frame_document
 
 logger = logging.getLogger("titan_te")
 READ_BATCH = 256  # records fetched per request
@@ -99,9 +100,8 @@ class HFSequences(IterableDataset):
 
     def _tokens(self, text) -> np.ndarray:
         if not isinstance(text, str) or not text:
-            return np.zeros(0, np.int64)
-        tok = self.tokenizer
-        return np.concatenate([[tok.bos_id], np.asarray(tok.encode(text), np.int64), [tok.eos_id]])
+            return np.zeros(0, np.int32)
+        return frame_document(self.tokenizer.encode(text), self.tokenizer)
 
     def __iter__(self):
         info = get_worker_info()
@@ -110,8 +110,8 @@ class HFSequences(IterableDataset):
         span = self.seq_len + 1
         while True:
             start_record, start_offset, windows = self.record, self.offset, 0
-            pending, held = [], 0
-            segments = deque()  # [record, its token count, its tokens still in `pending`]
+            buf, pos = np.zeros(0, np.int32), 0  # tokens read, and where the next window starts in them
+            segments = deque()  # [record, its token count, its tokens at or after `pos`]
             for i, text in self._texts(self.epoch, part, parts):
                 if i < start_record:
                     continue  # consumed before the restore
@@ -121,13 +121,11 @@ class HFSequences(IterableDataset):
                     toks = toks[start_offset:]
                 if not len(toks):
                     continue
-                pending.append(toks)
+                buf, pos = np.concatenate([buf[pos:], toks]), 0  # once per record, not per window
                 segments.append([i, full, len(toks)])
-                held += len(toks)
-                while held >= span:
-                    buf = np.concatenate(pending)
-                    window = torch.from_numpy(buf[:span].copy())
-                    pending, held = [buf[self.seq_len:]], held - self.seq_len
+                while len(buf) - pos >= span:
+                    window = torch.from_numpy(buf[pos:pos + span].astype(np.int64))
+                    pos += self.seq_len
                     drop = self.seq_len  # the next window starts seq_len tokens later
                     while drop and drop >= segments[0][2]:
                         drop -= segments.popleft()[2]

@@ -23,6 +23,7 @@ import numpy as np
 from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.data.errors import DataError
 from titan_te.data.shards import ShardWriter
+from titan_te.data.token_source import frame_document
 
 
 @dataclass
@@ -50,8 +51,7 @@ def _init_worker(targs: TokenizerArgs) -> None:
 
 def _tokenize(texts: list[str]) -> list[np.ndarray]:
     tok = _WORKER_TOKENIZER
-    bos, eos = np.array([tok.bos_id], np.int32), np.array([tok.eos_id], np.int32)
-    return [np.concatenate([bos, ids, eos]) for ids in tok.encode_batch(texts)]
+    return [frame_document(ids, tok) for ids in tok.encode_batch(texts)]
 
 
 def hf_documents(name: str, subset: str | None, split: str, field: str) -> Iterator[str]:

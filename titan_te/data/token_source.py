@@ -72,11 +72,15 @@ def ArrayTokenSource(tokens: np.ndarray, name: str, vocab_size: int | None = Non
     return TokenSource([tokens], name, vocab_size)
 
 
+def frame_document(ids, tokenizer) -> np.ndarray:
+    """One document's token ids between the tokenizer's BOS and EOS (int32)."""
+    out = np.empty(len(ids) + 2, dtype=np.int32)
+    out[0], out[-1] = tokenizer.bos_id, tokenizer.eos_id
+    out[1:-1] = ids
+    return out
+
+
 def join_documents(docs, tokenizer) -> np.ndarray:
     """BOS + tokens + EOS per document, concatenated (int32)."""
-    parts = []
-    for text in docs:
-        parts.append(np.array([tokenizer.bos_id], dtype=np.int32))
-        parts.append(np.asarray(tokenizer.encode(text), dtype=np.int32))
-        parts.append(np.array([tokenizer.eos_id], dtype=np.int32))
+    parts = [frame_document(tokenizer.encode(text), tokenizer) for text in docs]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
