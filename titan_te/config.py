@@ -22,9 +22,7 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 
 
-class ConfigError(Exception):
-    """A user mistake in the config file or command line."""
-
+from titan_te.errors import ConfigError
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None):
     """A config field with a default and a one-line doc.
@@ -173,8 +171,15 @@ class Checkpoint:
                           choices=("disabled", "async", "async_with_pinned_mem"))
     keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)")
     load_step: int = opt(-1, "step to resume from (-1: newest complete checkpoint)")
+    replace_newer: bool = opt(False, "allow a resume that would make later saves replace newer checkpoints "
+                                     "(an older load_step, or train_state excluded); they are moved to "
+                                     "<folder>/superseded-<time>/, never deleted")
     exclude_from_loading: list = opt([], "parts not restored on resume: model, optimizer, lr_scheduler, "
-                                         "dataloader, train_state, rng")
+                                         "dataloader, train_state, rng, fp8",
+                                     registry="titan_te.checkpoint.parts:PARTS")
+    max_consecutive_failures: int = opt(2, "saves in a row that may fail for environmental reasons (disk full, "
+                                           "I/O, permission) before the run stops with exit code 3")
+    write_threads: int = opt(2, "threads per rank writing checkpoint files")
     initial_load_path: str = opt("", "Hugging Face Llama folder (safetensors) to start from when the run "
                                      "has no checkpoint yet (fine-tuning)")
     last_save_model_only: bool = opt(False, "the final save holds only the model weights (in export_dtype)")
@@ -358,17 +363,39 @@ def parse_argv(argv: list[str]) -> CliArgs:
     return args
 
 
+PRESETS = Path(__file__).resolve().parents[1] / "train_configs"
+
+
+def presets() -> list[str]:
+    return sorted(p.name for p in PRESETS.glob("*.toml")) if PRESETS.is_dir() else []
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given; else a bare name (with or without .toml) from train_configs/."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    if p.is_dir():
+        raise ConfigError(f"--config {name} is a folder, not a TOML file; presets: {', '.join(presets())}")
+    if len(p.parts) == 1:
+        for candidate in (PRESETS / name, PRESETS / f"{name}.toml"):
+            if candidate.is_file():
+                return candidate
+    raise ConfigError(f"config file not found: {name} (not a file here, nor a preset in {PRESETS}); presets: "
+                      f"{', '.join(presets()) or 'none'}")
+
+
 def load_toml(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    p = resolve_config_path(path)
     try:
         with p.open("rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"TOML syntax error in {path}: {e}") from None
+        raise ConfigError(f"TOML syntax error in {p}: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path} is not UTF-8 text: {e}") from None
+        raise ConfigError(f"{p} is not UTF-8 text: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
 
 
 def build(toml_data: dict, overrides: list[tuple[str, str]], source: str = "<defaults>") -> Config:
@@ -425,8 +452,9 @@ def validate(cfg: Config, source: str) -> None:
                                   f"{_closest(str(value), list(f.metadata['choices']))} {where}")
             if f.metadata.get("registry"):
                 reg = _registry(f.metadata["registry"])
-                if value not in reg and not (key == "model.backend" and value == "auto"):
-                    raise ConfigError(f"{key}: {reg.miss_message(value)} {where}")
+                for item in value if isinstance(value, list) else [value]:
+                    if item not in reg and not (key == "model.backend" and item == "auto"):
+                        raise ConfigError(f"{key}: {reg.miss_message(str(item))} {where}")
     _check_values(cfg, where)
     from titan_te.hardware import check_hardware  # local import: keeps config light
 
@@ -497,12 +525,12 @@ def _check_values(cfg: Config, where: str) -> None:
                "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
         raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
                           f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
-    ck = cfg.checkpoint
-    parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
-    for part in ck.exclude_from_loading:
-        if part not in parts:
-            raise ConfigError(f"checkpoint.exclude_from_loading: unknown part '{part}'"
-                              f"{_closest(part, sorted(parts))}; valid: {', '.join(sorted(parts))} {where}")
+    _positive("checkpoint.max_consecutive_failures", cfg.checkpoint.max_consecutive_failures, where,
+              allow_zero=True)
+    _positive("checkpoint.write_threads", cfg.checkpoint.write_threads, where)
+    if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
+                          f"{cfg.checkpoint.load_step} {where}")
 
 
 def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:

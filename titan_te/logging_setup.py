@@ -1,4 +1,8 @@
-"""Console logging: rank LOG_RANK prints (default 0), every line tagged with the rank."""
+"""Console logging: the ranks in LOG_RANK (default 0) print INFO, the others only warnings and errors.
+
+Every line is tagged with the rank on multi-process runs. The run's log file (run_folder.py) gets
+everything of its rank, whatever the console shows.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,11 +12,12 @@ import sys
 
 def setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    show = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
+    show = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip().isdigit()}
     handler = logging.StreamHandler(sys.stdout)
     prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
+    handler.setLevel(logging.INFO if rank in show else logging.WARNING)
     log = logging.getLogger("titan_te")
     log.handlers[:] = [handler]
     log.propagate = False
-    log.setLevel(logging.INFO if rank in show else logging.WARNING)
+    log.setLevel(logging.INFO)

@@ -1,21 +1,26 @@
-"""Command-line entry: parse the config, build the Trainer, train. User mistakes exit 2, no traceback."""
+"""Command-line entry: parse the config, build the Trainer, train.
+
+A user mistake or condition (titan_te.errors.UserError) prints one line on stderr and exits with its
+code: 2 config/data, 3 checkpoint, 4 out of memory, 75 preempted. Anything else is a bug: traceback,
+exit code 1.
+"""
 from __future__ import annotations
 
+import logging
 import sys
 
 from titan_te import config as config_mod
+from titan_te.errors import UserError
 from titan_te.logging_setup import setup_logging
 
-EXIT_CONFIG_ERROR = 2
-EXIT_CHECKPOINT_ERROR = 3
-EXIT_OUT_OF_MEMORY = 4
+logger = logging.getLogger("titan_te")
 
 
-def _own_message(err: Exception) -> str:
-    """The error's own message; a DataLoader worker's re-raised error carries the worker's traceback."""
-    text = str(err)
+def _own_message(err: UserError) -> str:
+    """The error's line; a DataLoader worker's re-raised error carries the worker's traceback."""
+    text = err.line()
     if "Original Traceback" in text:
-        text = text.strip().splitlines()[-1].split("Error: ", 1)[-1]
+        text = f"{err.prefix}: " + text.strip().splitlines()[-1].split("Error: ", 1)[-1]
     return text
 
 
@@ -23,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg, args = config_mod.load(argv)
-    except config_mod.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    except UserError as e:
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
     if args.help:
         sys.stdout.write(config_mod.help_text())
         return 0
@@ -33,34 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(config_mod.to_toml(cfg))
         return 0
     setup_logging()
-    from titan_te.checkpoint import CheckpointError
     from titan_te.parallel.dist import shutdown
-    from titan_te.preemption import EXIT_PREEMPTED, Preempted
-    from titan_te.trainer import OutOfMemory, Trainer
+    from titan_te.trainer import Trainer
 
     clean = False  # every rank got here in step: an unexpected crash skips the exit barrier
     try:
-        trainer = Trainer(cfg)
-        try:
+        with Trainer(cfg) as trainer:
             trainer.train()
-        finally:
-            trainer.close()
         clean = True
-    except config_mod.ConfigError as e:  # found only once data or hardware is touched
-        clean = True
-        print(f"config error: {_own_message(e)}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except CheckpointError as e:
-        clean = True
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return EXIT_CHECKPOINT_ERROR
-    except Preempted as e:
-        clean = True
-        print(f"preempted: {e}", file=sys.stderr)
-        return EXIT_PREEMPTED
-    except OutOfMemory as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
+    except UserError as e:
+        clean = e.exit_code != 4  # after an out-of-memory the ranks may be out of step
+        line = _own_message(e)
+        print(line, file=sys.stderr)
+        return e.exit_code
     finally:
         shutdown(clean)
     return 0

@@ -1,24 +1,31 @@
-"""SIGTERM / SIGINT: finish the current step, save, exit with EXIT_PREEMPTED; a second signal exits at once."""
+"""SIGTERM / SIGINT: every rank finishes the current step, the save completes, then exit 75.
+
+The same signal often arrives twice within moments: Slurm and a terminal's Ctrl-C signal the whole
+process group, and the launcher forwards what it receives to its workers as well. Repeats within
+REPEAT_WINDOW_S count as one request; a signal after that exits at once.
+"""
 from __future__ import annotations
 
 import logging
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from titan_te.errors import Preempted
+
 logger = logging.getLogger("titan_te")
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: "try again" -- rerunning the same command resumes
+EXIT_PREEMPTED = Preempted.exit_code
+REPEAT_WINDOW_S = 3.0
 
 
-class Preempted(Exception):
-    def __init__(self, step: int, saved: bool):
-        self.step, self.saved = step, saved
-        super().__init__(f"stopped by a signal after step {step}"
-                         + ("; checkpoint saved, rerun the same command to resume" if saved else
-                            "; checkpointing is off, nothing was saved"))
+def preempted(step: int, saved: bool) -> Preempted:
+    return Preempted(f"stopped by a signal after step {step}"
+                     + ("; checkpoint saved, rerun the same command to resume" if saved else
+                        "; checkpointing is off, nothing was saved"))
 
 
 class PreemptionGuard:
@@ -26,12 +33,16 @@ class PreemptionGuard:
 
     def __init__(self):
         self.flag = False
+        self._first = 0.0
         self._old = {}
 
     def _handler(self, signum, frame):
-        if self.flag:  # second signal: no more waiting
-            os._exit(128 + signum)
-        self.flag = True
+        now = time.monotonic()
+        if self.flag:
+            if now - self._first < REPEAT_WINDOW_S:
+                return  # the same request, delivered twice (process group + launcher)
+            os._exit(128 + signum)  # asked again: no more waiting
+        self.flag, self._first = True, now
         logger.warning(f"received {signal.Signals(signum).name}: finishing this step, then saving and exiting "
                        f"(send it again to exit at once)")
 
@@ -46,9 +57,9 @@ class PreemptionGuard:
             signal.signal(s, h)
         return False
 
-    def requested_everywhere(self) -> bool:
+    def requested_everywhere(self, group=None) -> bool:
         """True on every rank as soon as any rank got a signal (all ranks must save together)."""
         flag = torch.tensor([1 if self.flag else 0])  # a CPU tensor: goes over gloo on GPU runs too
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())

@@ -16,14 +16,16 @@ import contextlib
 import functools
 import logging
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_te import config as config_mod
-from titan_te.checkpoint import CheckpointManager, complete_steps
+from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import build_dataloader
 from titan_te.data.tokenizers import padded_vocab
@@ -38,9 +40,11 @@ from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
-from titan_te.parallel.dist import init_distributed
+from titan_te.parallel.dist import init_distributed, on_rank0
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
-from titan_te.preemption import Preempted, PreemptionGuard
+from titan_te.errors import OutOfMemory, UserError
+from titan_te.preemption import PreemptionGuard, preempted
+from titan_te.run_folder import RunFolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
 from titan_te.train_utils import clip_grad_norm, set_determinism
@@ -49,15 +53,12 @@ logger = logging.getLogger("titan_te")
 IGNORE_INDEX = -100
 
 
-class OutOfMemory(Exception):
-    """The GPU ran out of memory in a training step; the message says what to change."""
-
-    def __init__(self, step: int, err: Exception, snapshot):
-        where = f"; memory snapshot: {snapshot}" if snapshot else \
-            "; --profiling.enable_memory_snapshot=true writes a snapshot of who held the memory"
-        super().__init__(f"out of GPU memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
-                         f"--activation_checkpoint.mode=full, a smaller training.local_batch_size (with "
-                         f"training.global_batch_size for the same batch), or more GPUs{where}")
+def out_of_memory(step: int, err: Exception, snapshot) -> OutOfMemory:
+    where = f"; memory snapshot: {snapshot}" if snapshot else \
+        "; --profiling.enable_memory_snapshot=true writes a snapshot of who held the memory"
+    return OutOfMemory(f"out of GPU memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
+                       f"--activation_checkpoint.mode=full, a smaller training.local_batch_size (with "
+                       f"training.global_batch_size for the same batch), or more GPUs{where}")
 
 
 @dataclass
@@ -77,6 +78,23 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: config_mod.Config):
         self.cfg = cfg
+        self._lock = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            self._release()
+            raise
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:  # the run's log file also says how it ended
+            log_to_file(exc.line() if isinstance(exc, UserError) else
+                        "".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
+        self.close()
+
+    def _build(self, cfg: config_mod.Config) -> None:
         t = cfg.training
         # 1. distributed
         device_type = resolve_device(t.device)
@@ -85,7 +103,11 @@ class Trainer:
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
         self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
+        # One trainer per run folder: rank 0 holds its lock until close (a dead holder's lock is taken over).
         self.run_folder = cfg.run_folder
+        self._lock = RunFolderLock(self.run_folder)
+        on_rank0(self._lock.acquire)
+        self.log_file = attach_log_file(self.run_folder, env.rank)
 
         # 2. data
         self.tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
@@ -143,9 +165,15 @@ class Trainer:
 
         # 7. checkpoints: resume, or start from Hugging Face weights
         self.state = TrainState()
-        self.checkpointer = CheckpointManager(cfg.checkpoint, self.run_folder, model, self.optimizer,
-                                              self.lr_scheduler, self.dataloader, self.state, env)
-        resumed = self.checkpointer.load()
+        ck = cfg.checkpoint
+        parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
+                               env.dp_world, export_dtype=getattr(torch, ck.export_dtype))
+        folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
+        self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps)
+        # A background save copies the weights while the next forward/backward runs; they must not
+        # change before the copy is complete.
+        self.optimizer.register_step_pre_hook(self.checkpointer.before_optimizer_step)
+        resumed = self.checkpointer.resume()
         if not resumed and cfg.checkpoint.initial_load_path:
             from titan_te.hf_io import load_hf_weights
 
@@ -166,6 +194,13 @@ class Trainer:
             self._log_summary()
 
     # ------------------------------------------------------------------------------------------
+    def _facts(self) -> dict:
+        """What a checkpoint must agree with to load into this run (kept in its manifest)."""
+        a, o = self.model_args, self.cfg.optimizer
+        return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
+                          "dim": a.dim, "vocab_size": a.vocab_size},
+                "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights}}
+
     def _write_resolved_config(self) -> None:
         self.run_folder.mkdir(parents=True, exist_ok=True)
         (self.run_folder / "config.toml").write_text(config_mod.to_toml(self.cfg))
@@ -223,7 +258,6 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
-        self.checkpointer.wait_for_staging()  # a pinned-memory snapshot must not see this update
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -251,12 +285,12 @@ class Trainer:
                     loss, max_loss, gnorm = self.train_step(microbatches)
                 except torch.OutOfMemoryError as e:
                     snap = self.profiler.snapshot(f"oom-step-{step}")
-                    raise OutOfMemory(step, e, snap) from None
+                    raise out_of_memory(step, e, snap) from None
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
                 self.losses.append(loss)
                 stop = preempt.requested_everywhere()
-                self._maybe_checkpoint(step, stop)
+                self._log_checkpoint_times(self.checkpointer.step_end(step, stop=stop))
                 epoch = int(microbatches[-1]["epoch"].max())
                 self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr,
                                               self.tokens_per_step // self.env.dp_world,
@@ -264,24 +298,15 @@ class Trainer:
                 self._periodic_metrics(step)
                 self.profiler.step_end(step)
                 if stop:
-                    raise Preempted(step, self.checkpointer.enabled)
-        self.checkpointer.finish_pending(wait=True)
-        self._log_checkpoint_times()
+                    raise preempted(step, self.checkpointer.enabled)
+        self._log_checkpoint_times(self.checkpointer.flush())
         if self.state.step >= t.steps:
             self._final_summary()
         return self.losses
 
-    def _maybe_checkpoint(self, step: int, stop: bool) -> None:
-        """Publish a finished background save; start a save at the interval, the last step or a signal."""
-        ck, last = self.checkpointer, step == self.cfg.training.steps
-        ck.finish_pending()
-        if ck.should_save(step, last=last) or (stop and ck.enabled):
-            ck.save(step, last=last or stop)
-        self._log_checkpoint_times()
-
-    def _log_checkpoint_times(self) -> None:
-        for saved_step, stall_s, total_s in self.checkpointer.pop_completed():
-            self.metrics.write({"checkpoint/stall_s": stall_s, "checkpoint/save_s": total_s}, saved_step)
+    def _log_checkpoint_times(self, saves) -> None:
+        for rec in saves:
+            self.metrics.write({"checkpoint/stall_s": rec.stall_s, "checkpoint/save_s": rec.total_s}, rec.step)
 
     def _periodic_metrics(self, step: int) -> None:
         """Values logged at their own frequency: validation loss, FP8 scaling statistics."""
@@ -305,7 +330,14 @@ class Trainer:
                     f"{where}; {tb}")
 
     def close(self) -> None:
-        self.checkpointer.close()
-        self._log_checkpoint_times()
-        self.metrics.close()
-        self.profiler.close()
+        try:
+            self.checkpointer.close()
+            self.metrics.close()
+            self.profiler.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        detach_log_file()
+        if self._lock is not None:
+            self._lock.release()

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from titan_te.config import ConfigError
+from titan_te.errors import ConfigError, UserError
 
 
 @dataclass
@@ -87,3 +87,38 @@ def shutdown(clean: bool = True) -> None:
         except Exception:  # a peer already gone: nothing left to wait for
             pass
     dist.destroy_process_group()
+
+
+class RankZeroFailed(RuntimeError):
+    """Raised on the other ranks when an action of rank 0 failed with a bug (rank 0 raises the original)."""
+
+
+def on_rank0(fn, group=None):
+    """Run `fn` on rank 0 only and broadcast its result, so every rank takes the same path.
+
+    When `fn` raises, every rank raises: a UserError as the same class and message (each rank exits
+    with its code), an OSError with its errno (so callers can tell a full disk from a bug), anything
+    else as the original on rank 0 and RankZeroFailed elsewhere. No rank is left waiting for another."""
+    box: list = [None]
+    err = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except UserError as e:
+            err, box[0] = e, ("user", (type(e), e.msg))
+        except OSError as e:
+            err, box[0] = e, ("os", (e.errno, e.strerror or str(e), e.filename))
+        except BaseException as e:  # noqa: BLE001 -- broadcast first, then re-raised below
+            err, box[0] = e, ("bug", f"{type(e).__name__}: {e}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=group)
+    kind, value = box[0]
+    if kind == "ok":
+        return value
+    if err is not None:
+        raise err
+    if kind == "user":
+        raise value[0](value[1])
+    if kind == "os":
+        raise OSError(*value) if value[2] else OSError(value[0], value[1])
+    raise RankZeroFailed(f"rank 0 failed: {value}")

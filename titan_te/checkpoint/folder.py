@@ -1,0 +1,171 @@
+"""The checkpoint folder on disk: step folders, their manifests, lineages and retention.
+
+Layout: `<folder>/step-<N>/` is one DCP checkpoint. A save is written to `step-<N>.tmp/`; once every
+rank's data and DCP's `.metadata` are on disk, rank 0 writes `titan_te.json` (the manifest) into it
+and renames it to `step-<N>`. So a folder counts as a checkpoint only when it is named `step-<N>` and
+holds both `.metadata` and a readable manifest; anything else (a `.tmp`, a copied or half-deleted
+folder, another tool's DCP folder) is never loaded, never counted by retention and never deleted.
+
+The manifest names the checkpoint's *lineage*: the id of the run that started from nothing, carried
+on by every run that resumes from it. Retention only ever prunes folders of this run's lineage.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("titan_te")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+MANIFEST = "titan_te.json"
+FORMAT = 1
+
+
+@dataclass
+class Manifest:
+    """What a checkpoint holds and who wrote it (saved as JSON beside DCP's files)."""
+
+    step: int
+    lineage: str
+    parts: list[str]  # the Stateful parts saved (model only for a model-only save)
+    dp_world: int
+    facts: dict = field(default_factory=dict)  # model / optimizer description, for mismatch messages
+    model_only: bool = False
+    format: int = FORMAT
+    saved_at: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, folder: Path) -> "Manifest | None":
+        """The manifest of `folder`, or None when it has none or it is unreadable / not ours."""
+        try:
+            data = json.loads((folder / MANIFEST).read_text())
+            m = cls(**{k: data[k] for k in ("step", "lineage", "parts", "dp_world")},
+                    facts=dict(data.get("facts", {})), model_only=bool(data.get("model_only", False)),
+                    format=int(data.get("format", FORMAT)), saved_at=float(data.get("saved_at", 0.0)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(m.step, int) or not isinstance(m.lineage, str) or not isinstance(m.parts, list):
+            return None
+        return m
+
+
+def new_lineage() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return Path(folder) / f"step-{step}"
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # an unreadable folder: not a checkpoint we can use
+        return False
+
+
+def scan(folder: Path) -> tuple[dict[int, Manifest], list[Path]]:
+    """({step: manifest} of the complete checkpoints, step folders that are not checkpoints of ours)."""
+    found: dict[int, Manifest] = {}
+    others: list[Path] = []
+    try:
+        children = list(Path(folder).iterdir()) if Path(folder).is_dir() else []
+    except OSError:
+        return found, others
+    for child in children:
+        m = STEP_DIR.match(child.name)
+        if not m:
+            continue
+        manifest = Manifest.read(child) if _is_file(child / ".metadata") else None
+        if manifest is not None and manifest.step == int(m.group(1)):
+            found[manifest.step] = manifest
+        elif _is_file(child / ".metadata"):
+            others.append(child)  # a DCP folder we did not write (or with a damaged manifest)
+    return dict(sorted(found.items())), sorted(others)
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints in `folder`, ascending."""
+    return list(scan(folder)[0])
+
+
+def folder_bytes(path: Path) -> int:
+    total = 0
+    for p in Path(path).rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def remove_interrupted_saves(folder: Path) -> list[tuple[str, int]]:
+    """Delete the `step-<N>.tmp` folders an interrupted save left (at 8B each is ~70 GB); returns
+    (name, bytes) of each. Only called while this run holds the run-folder lock."""
+    removed = []
+    if not Path(folder).is_dir():
+        return removed
+    for child in sorted(Path(folder).iterdir()):
+        if TMP_DIR.match(child.name) and child.is_dir():
+            size = folder_bytes(child)
+            shutil.rmtree(child)
+            removed.append((child.name, size))
+    return removed
+
+
+def set_aside(folder: Path, steps: list[int], why: str) -> Path:
+    """Move the given checkpoints into `<folder>/superseded-<time>/` (nothing is deleted)."""
+    dest = Path(folder) / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "README.txt").write_text(f"Checkpoints moved here by titan_te: {why}\n")
+    for s in steps:
+        step_dir(folder, s).rename(dest / f"step-{s}")
+    return dest
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Make `tmp` visible as `final`. A folder already there is moved aside, never deleted."""
+    if final.exists():
+        aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        final.rename(aside)
+        logger.warning(f"checkpoint: {final} already existed; moved it to {aside}")
+    tmp.rename(final)
+
+
+class Retention:
+    """Keeps the newest `keep` checkpoints of one lineage; deletes the older ones in the background.
+    The checkpoint just written and the ones in `protected` (the one the run resumed from) stay."""
+
+    def __init__(self, folder: Path, keep: int):
+        self.folder, self.keep = Path(folder), keep
+        self.protected: set[int] = set()
+        self._deleter: threading.Thread | None = None
+
+    def prune(self, lineage: str, just_written: int) -> list[int]:
+        if self.keep <= 0:
+            return []
+        mine = [s for s, m in scan(self.folder)[0].items() if m.lineage == lineage]
+        doomed = [s for s in mine[:-self.keep] if s != just_written and s not in self.protected]
+        if not doomed:
+            return []
+        self.join()
+        paths = [step_dir(self.folder, s) for s in doomed]
+        self._deleter = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths],
+                                         name="checkpoint-retention", daemon=True)
+        self._deleter.start()
+        return doomed
+
+    def join(self) -> None:
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None

@@ -1,0 +1,351 @@
+"""CheckpointManager: resume at start, one call per training step, saves that never lose a checkpoint.
+
+- `resume()` picks the checkpoint (the newest complete one, or `checkpoint.load_step`), checks that it
+  fits this run, loads every part not in `exclude_from_loading` and adopts its lineage. A resume that
+  would make later saves replace newer checkpoints is refused unless `checkpoint.replace_newer`.
+- `step_end(step, stop)` publishes a finished background save and starts the save that is due.
+- `before_optimizer_step()` (an optimizer pre-hook) waits until a background save has copied the
+  weights it is about to change.
+File-system actions run on rank 0 and their outcome is broadcast, so every rank takes the same path.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from titan_te.checkpoint import folder as fs
+from titan_te.checkpoint.background import BackgroundSave, Stager, write
+from titan_te.checkpoint.compat import fact_differences, flat_tensors, tensor_differences
+from titan_te.checkpoint.errors import describe, is_environmental
+from titan_te.checkpoint.parts import Part
+from titan_te.errors import CheckpointError
+from titan_te.parallel.dist import on_rank0
+
+logger = logging.getLogger("titan_te")
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    stall_s: float  # how long training waited for this save
+    total_s: float  # from the save call until the checkpoint was published
+
+
+class CheckpointManager:
+    def __init__(self, ckcfg, folder: Path, parts: dict[str, Part], env, facts: dict, total_steps: int):
+        self.cfg, self.enabled = ckcfg, ckcfg.enable
+        self.folder = Path(folder)
+        self.parts, self.env, self.facts = parts, env, facts
+        self.rank, self.total_steps = env.rank, total_steps
+        self.lineage = ""
+        self.retention = fs.Retention(self.folder, ckcfg.keep_latest_k)
+        self._inflight: tuple[int, BackgroundSave, float] | None = None
+        self._completed: list[SaveRecord] = []
+        self._last_saved = -1
+        self.failures_in_a_row = 0
+        self.last_blocked_s = 0.0
+        self.pg = self.ctl_pg = self.stager = None
+        if not self.enabled:
+            return
+        # Background writes talk on their own gloo group so they never queue behind NCCL work; the
+        # main thread's control messages use a second one: two threads never share a group.
+        self.pg = dist.new_group(backend="gloo")
+        self.ctl_pg = dist.new_group(backend="gloo")
+        if ckcfg.async_mode != "disabled":
+            self.stager = Stager(env.device, pinned=ckcfg.async_mode == "async_with_pinned_mem")
+        self._prepare_folder()
+
+    def _on_rank0(self, fn):
+        return on_rank0(fn, group=self.ctl_pg)
+
+    def _prepare_folder(self) -> None:
+        """Create the folder (exit 3 at start, not at the first save hours later, if it cannot be written)
+        and delete what interrupted saves left. The caller holds the run-folder lock."""
+        probe = self.folder / ".write-test"
+
+        def prepare():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"ok")
+            probe.unlink()
+            return fs.remove_interrupted_saves(self.folder)
+
+        try:
+            removed = self._on_rank0(prepare)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.folder {self.folder} cannot be written ({describe(e)}); point "
+                                  f"--checkpoint.folder at a writable place or set --checkpoint.enable=false") \
+                from None
+        for name, size in removed:
+            logger.warning(f"checkpoint: removed {self.folder / name} ({size / 1e9:.1f} GB) left by an "
+                           f"interrupted save")
+
+    # --- resuming ------------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the chosen checkpoint; returns the step training continues after (0: from scratch)."""
+        if not self.enabled:
+            return 0
+        plan = self._on_rank0(self._plan)
+        for line in plan["warnings"]:
+            logger.warning(line)
+        if plan["error"]:
+            raise CheckpointError(plan["error"])
+        self.lineage = plan["lineage"]
+        step = plan["load"]
+        if step is None:
+            return 0
+        path = fs.step_dir(self.folder, step)
+        if plan["finished"]:
+            self.parts["train_state"].train_state.step = step
+            logger.info(f"checkpoint: {path} is the final, model-only save of this run; nothing left to train")
+            return step
+        self._load(path, plan)
+        self.retention.protected.add(step)
+        if plan["set_aside"]:
+            dest = self._on_rank0(lambda: str(fs.set_aside(
+                self.folder, plan["set_aside"], f"checkpoint.replace_newer: this run resumed from step {step}")))
+            logger.warning(f"checkpoint: moved {', '.join(f'step-{s}' for s in plan['set_aside'])} to {dest} "
+                           f"(checkpoint.replace_newer = true); nothing was deleted")
+        if self.rank == 0:
+            logger.info(f"checkpoint: resumed from {path} (step {step})")
+        return step if plan["restores_step"] else 0
+
+    def _plan(self) -> dict:
+        """Rank 0: which checkpoint to load and whether that is safe for the newer ones."""
+        found, others = fs.scan(self.folder)
+        warnings = [f"checkpoint: ignoring {p}: not a complete titan_te checkpoint (no {fs.MANIFEST})"
+                    for p in others]
+        plan = {"load": None, "lineage": fs.new_lineage(), "error": None, "warnings": warnings,
+                "set_aside": [], "finished": False, "restores_step": False}
+        want = self.cfg.load_step
+        if want > 0 and want not in found:
+            plan["error"] = (f"checkpoint.load_step = {want}: no complete checkpoint {fs.step_dir(self.folder, want)}"
+                             f" (complete steps: {', '.join(map(str, found)) or 'none'})")
+            return plan
+        if not found:
+            return plan
+        step = want if want > 0 else max(found)
+        m = found[step]
+        plan["load"] = step
+        if m.model_only:
+            full = [s for s, x in found.items() if not x.model_only]
+            if self.total_steps <= m.step:
+                plan.update(finished=True, lineage=m.lineage)
+                return plan
+            hint = (f"resume from the newest full one with --checkpoint.load_step={full[-1]} "
+                    f"--checkpoint.replace_newer=true" if full else "no full checkpoint of this run exists")
+            plan["error"] = (f"{fs.step_dir(self.folder, step)} holds only model weights "
+                             f"(checkpoint.last_save_model_only), so training.steps = {self.total_steps} cannot "
+                             f"continue from it; {hint}, or start a new run with another --job.name")
+            return plan
+        restores = "train_state" not in self.cfg.exclude_from_loading
+        start = step if restores else 0
+        newer = [s for s in found if s > start]
+        if newer and not self.cfg.replace_newer:
+            names = ", ".join(f"step-{s}" for s in newer)
+            why = (f"it resumes from step-{step} with training.steps counting from {start}" if restores else
+                   f"checkpoint.exclude_from_loading has train_state, so this run counts its steps from 1 again")
+            plan["error"] = (f"{self.folder} holds {names}, which later saves of this run would replace: {why}. "
+                             f"To keep them use another --job.name or --checkpoint.folder (or drop the option "
+                             f"that causes this); to train on anyway add --checkpoint.replace_newer=true, which "
+                             f"moves them to {self.folder}/superseded-<time>/ (nothing is deleted)")
+            return plan
+        plan.update(set_aside=newer, restores_step=restores, lineage=m.lineage if restores else plan["lineage"])
+        return plan
+
+    def _load(self, path: Path, plan: dict) -> None:
+        exclude = set(self.cfg.exclude_from_loading)
+        try:
+            meta = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # noqa: BLE001 -- a damaged .metadata: whatever unpickling it raises, exit 3
+            raise CheckpointError(self._unreadable(path, e)) from None
+        manifest = fs.Manifest.read(path)
+        saved_parts = set(manifest.parts if manifest else ())
+        wanted = {n: p for n, p in self.parts.items() if n not in exclude and n in saved_parts}
+        same_world = manifest is not None and manifest.dp_world == self.env.dp_world
+        if not same_world and "dataloader" in wanted:
+            raise CheckpointError(
+                f"checkpoint {path} was written by {manifest.dp_world} data-parallel ranks, this run has "
+                f"{self.env.dp_world}: the data loader's position cannot be resharded. Resume with "
+                f"--checkpoint.exclude_from_loading=dataloader,rng (model and optimizer reshard exactly; "
+                f"the data order restarts)")
+        if not same_world:
+            wanted = {n: p for n, p in wanted.items() if p.resharding != "per_rank"}
+        target = {n: p.load_target() for n, p in wanted.items()}
+        problems = fact_differences(manifest.facts if manifest else {}, self.facts, set(wanted))
+        for name in ("model", "optimizer"):
+            if name in target:
+                problems += tensor_differences(meta, flat_tensors(name, target[name]), name,
+                                               strict_unexpected=name == "model")
+        if problems:
+            raise CheckpointError(self._mismatch(path, problems, set(wanted)))
+        try:
+            dcp.load(target, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- unreadable data: exit 3, named
+            raise CheckpointError(self._unreadable(path, e)) from None
+        # Applied only after everything was read, so a bad checkpoint leaves the run untouched.
+        for name, part in wanted.items():
+            part.load_state_dict(target[name])
+
+    def _mismatch(self, path: Path, problems: list[str], parts: set[str]) -> str:
+        ok_older = [s for s, m in fs.scan(self.folder)[0].items()
+                    if s < int(path.name.split("-")[1]) and not fact_differences(m.facts, self.facts, parts)]
+        opt = " --checkpoint.exclude_from_loading=optimizer starts the optimizer afresh;" \
+            if any(p.startswith("optimizer") for p in problems) else ""
+        older = f" {fs.step_dir(self.folder, ok_older[-1])} matches this run (--checkpoint.load_step=" \
+                f"{ok_older[-1]})." if ok_older else ""
+        return (f"checkpoint {path} does not fit this run: {'; '.join(problems[:4])}. Change the run to match "
+                f"the checkpoint, or start a new run with another --job.name;{opt}{older}").rstrip(";")
+
+    def _unreadable(self, path: Path, err: BaseException) -> str:
+        step = int(path.name.split("-")[1])
+        older = [s for s, m in fs.scan(self.folder)[0].items()
+                 if s < step and not fact_differences(m.facts, self.facts, {"model", "optimizer"})]
+        hint = (f"the newest older checkpoint is {fs.step_dir(self.folder, older[-1])}; resume from it with "
+                f"--checkpoint.load_step={older[-1]} --checkpoint.replace_newer=true") if older else \
+            "no older checkpoint of this run exists"
+        return f"checkpoint {path} is corrupt or unreadable ({describe(err)}); {hint}"
+
+    # --- saving --------------------------------------------------------------------------------------
+    def step_end(self, step: int, stop: bool = False) -> list[SaveRecord]:
+        """After each optimizer step: publish a finished background save, start the save that is due
+        (every `interval` steps, the last step, or a stop request: those two synchronously). Returns the
+        saves published since the last call."""
+        if not self.enabled:
+            return []
+        self._finish(wait=False)
+        last = step >= self.total_steps
+        if last or stop or step % self.cfg.interval == 0:
+            self.save(step, sync=last or stop or self.stager is None,
+                      model_only=last and self.cfg.last_save_model_only)
+        done, self._completed = self._completed, []
+        return done
+
+    def save(self, step: int, sync: bool = True, model_only: bool = False) -> None:
+        self._finish(wait=True)  # one save in flight at a time
+        if step == self._last_saved:
+            return
+        t0 = time.perf_counter()
+        tmp = self.folder / f"step-{step}.tmp"
+        try:
+            self._on_rank0(lambda: _fresh_folder(tmp))
+        except OSError as e:
+            self._failed(step, tmp, e, final=step >= self.total_steps)
+            return
+        state = self._state(model_only)
+        if sync:
+            try:
+                write(state, tmp, None, self.cfg.write_threads)
+            except BaseException as e:  # DCP's CheckpointException derives from BaseException
+                self.last_blocked_s = time.perf_counter() - t0
+                self._failed(step, tmp, e, final=step >= self.total_steps)
+                return
+            self.last_blocked_s = time.perf_counter() - t0
+            self._publish(step, tmp, model_only, t0, background=False)
+        else:
+            self._inflight = (step, BackgroundSave(self.stager, state, tmp, self.pg, self.cfg.write_threads), t0)
+            self.last_blocked_s = time.perf_counter() - t0
+
+    def _state(self, model_only: bool) -> dict:
+        if model_only:
+            return {"model": self.parts["model"].model_only_state()}
+        # Replicated parts are the same everywhere: rank 0 writes them (TE's FP8 state even differs in
+        # size between ranks), every rank loads them.
+        return {n: p.state_dict() for n, p in self.parts.items() if p.resharding != "replicated" or self.rank == 0}
+
+    def before_optimizer_step(self, *_args) -> None:
+        """Optimizer pre-hook: a background save must have copied the weights before they change."""
+        if self._inflight is None:
+            return
+        t0 = time.perf_counter()
+        self._inflight[1].staged.exception()  # waits; a failure is reported with the write's result
+        self.last_blocked_s += time.perf_counter() - t0
+
+    def _finish(self, wait: bool) -> None:
+        """Publish the background save once it is written on every rank (or wait for it when `wait`)."""
+        if self._inflight is None:
+            return
+        step, job, t0 = self._inflight
+        if not wait:
+            done = torch.tensor([1 if job.done() else 0])
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.ctl_pg)
+            if not done.item():
+                return
+        self._inflight = None
+        try:
+            job.result()
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            self._failed(step, job.path, e, final=False)
+            return
+        self._publish(step, job.path, False, t0, background=True)
+
+    def _publish(self, step: int, tmp: Path, model_only: bool, t0: float, background: bool) -> None:
+        manifest = fs.Manifest(step=step, lineage=self.lineage, parts=["model"] if model_only else list(self.parts),
+                               dp_world=self.env.dp_world, facts=self.facts, model_only=model_only,
+                               saved_at=time.time())
+        final = fs.step_dir(self.folder, step)
+
+        def publish():
+            (tmp / fs.MANIFEST).write_text(manifest.to_json())
+            fs.publish(tmp, final)
+            return self.retention.prune(self.lineage, just_written=step)
+
+        try:
+            pruned = self._on_rank0(publish)
+        except OSError as e:
+            self._failed(step, tmp, e, final=step >= self.total_steps)
+            return
+        self._last_saved = step
+        self.failures_in_a_row = 0
+        self._completed.append(SaveRecord(step, self.last_blocked_s, time.perf_counter() - t0))
+        if self.rank == 0:
+            how = " (background)" if background else ""
+            logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - t0:.2f}s, training "
+                        f"waited {self.last_blocked_s:.2f}s{how}"
+                        + (f"; removed old {', '.join(f'step-{s}' for s in pruned)}" if pruned else ""))
+
+    def _failed(self, step: int, tmp: Path, err: BaseException, final: bool) -> None:
+        """A save failed: a bug propagates; an environmental failure is survived a few times in a row."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not is_environmental(err):
+            raise err
+        self.failures_in_a_row += 1
+        good = fs.complete_steps(self.folder)
+        keep = f"the newest good checkpoint is {fs.step_dir(self.folder, good[-1])}" if good else \
+            "no earlier checkpoint exists"
+        msg = f"checkpoint save at step {step} into {self.folder} failed ({describe(err)}); {keep}"
+        limit = self.cfg.max_consecutive_failures
+        if final or self.failures_in_a_row > limit:
+            why = "the final save failed" if final else f"{self.failures_in_a_row} saves in a row failed"
+            raise CheckpointError(f"{msg}; stopping: {why}") from None
+        logger.error(f"{msg}; training continues ({self.failures_in_a_row} of at most {limit} failed saves "
+                     f"in a row)")
+
+    def flush(self) -> list[SaveRecord]:
+        """Wait for the save in flight; returns the saves published since the last call."""
+        if self.enabled:
+            self._finish(wait=True)
+        done, self._completed = self._completed, []
+        return done
+
+    def close(self) -> None:
+        if self.enabled:
+            self._finish(wait=True)
+        self.retention.join()
+        if self.stager is not None:
+            self.stager.close()
+
+
+def _fresh_folder(path: Path) -> None:
+    """An empty folder at `path` (what an earlier, interrupted save of the same step left is removed)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)

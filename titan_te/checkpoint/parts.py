@@ -1,0 +1,229 @@
+"""The named Stateful parts a checkpoint holds, each saying how it crosses a change of world size.
+
+  sharded     tensors sharded over the data-parallel mesh; DCP reshards them to any world size
+  replicated  the same on every rank; written once (by rank 0), loaded by every rank
+  per_rank    one entry per rank (data-loader position, RNG); loads only at the same data-parallel size
+
+`checkpoint.exclude_from_loading` names parts of PARTS. The manager saves `{name: part.state_dict()}`
+in one DCP call and loads into `{name: part.load_target()}`, then hands each part its state.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from titan_te.registry import Registry
+
+EXTRA_STATE = "_extra_state"
+TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+PARTS: Registry[type] = Registry("checkpoint part")
+
+
+class Part:
+    name = ""
+    resharding = "replicated"  # sharded | replicated | per_rank
+
+    def state_dict(self):
+        raise NotImplementedError
+
+    def load_target(self):
+        """What DCP loads into (tensors are filled in place, other values replaced)."""
+        return self.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        raise NotImplementedError
+
+
+def _params(model) -> dict:
+    return {k: v for k, v in get_model_state_dict(model).items() if not k.endswith(EXTRA_STATE)}
+
+
+@PARTS.register("model")
+class ModelPart(Part):
+    name, resharding = "model", "sharded"
+
+    def __init__(self, model, export_dtype: torch.dtype | None = None):
+        self.model, self.export_dtype = model, export_dtype
+
+    def state_dict(self):
+        return _params(self.model)
+
+    def model_only_state(self):
+        """The weights for a model-only save, in `checkpoint.export_dtype`."""
+        sd = self.state_dict()
+        if self.export_dtype is None:
+            return sd
+        return {k: v.to(self.export_dtype) if torch.is_floating_point(v) else v for k, v in sd.items()}
+
+    def load_state_dict(self, state) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+
+
+@PARTS.register("fp8")
+class FP8Part(Part):
+    """Transformer Engine's delayed-scaling state (scales, amax history) of every FP8 module. It differs
+    in size across ranks inside the sharded model state, so it is kept out of it and saved once; the amax
+    reduction over the data-parallel group keeps every rank's scales equal."""
+
+    name = "fp8"
+
+    def __init__(self, model):
+        self.model = model
+
+    def _extra(self) -> dict:
+        return {k: v for k, v in get_model_state_dict(self.model).items() if k.endswith(EXTRA_STATE)}
+
+    def present(self) -> bool:
+        return bool(self._extra())
+
+    def state_dict(self):
+        return pickle.dumps({k: v.cpu() if torch.is_tensor(v) else v for k, v in self._extra().items()})
+
+    def load_target(self):
+        return b""
+
+    def load_state_dict(self, state) -> None:
+        own = self._extra()
+        extra = pickle.loads(state)
+        with _allow_te_pickle():
+            self.model.load_state_dict({k: v for k, v in extra.items() if k in own}, strict=False)
+
+
+@contextlib.contextmanager
+def _allow_te_pickle():
+    """TE refuses to unpickle its extra state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. The copy
+    loaded here was pickled by titan_te into the run's own checkpoint, like the rng and dataloader parts."""
+    old = os.environ.get(TE_UNSAFE_PICKLE)
+    os.environ[TE_UNSAFE_PICKLE] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TE_UNSAFE_PICKLE, None)
+        else:
+            os.environ[TE_UNSAFE_PICKLE] = old
+
+
+@PARTS.register("optimizer")
+class OptimizerPart(Part):
+    name, resharding = "optimizer", "sharded"
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+@PARTS.register("lr_scheduler")
+class LRSchedulerPart(Part):
+    name = "lr_scheduler"
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def state_dict(self):
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+@PARTS.register("train_state")
+class TrainStatePart(Part):
+    """Step and token counters, and the data-parallel size that wrote the per-rank parts."""
+
+    name = "train_state"
+
+    def __init__(self, train_state, dp_world: int):
+        self.train_state, self.dp_world = train_state, dp_world
+
+    def state_dict(self):
+        return {**self.train_state.state_dict(), "dp_world": self.dp_world}
+
+    def load_target(self):
+        return {**self.train_state.state_dict(), "dp_world": 0}
+
+    def load_state_dict(self, state) -> None:
+        self.train_state.load_state_dict({k: v for k, v in state.items() if k != "dp_world"})
+
+
+class PerRankPart(Part):
+    """Pickled per-rank state stored as {"rank<R>": bytes}."""
+
+    resharding = "per_rank"
+
+    def __init__(self, rank: int):
+        self.key = f"rank{rank}"
+
+    def local_state(self):
+        raise NotImplementedError
+
+    def set_local_state(self, state) -> None:
+        raise NotImplementedError
+
+    def state_dict(self):
+        return {self.key: pickle.dumps(self.local_state())}
+
+    def load_target(self):
+        return {self.key: b""}
+
+    def load_state_dict(self, state) -> None:
+        self.set_local_state(pickle.loads(state[self.key]))
+
+
+@PARTS.register("dataloader")
+class DataLoaderPart(PerRankPart):
+    name = "dataloader"
+
+    def __init__(self, dataloader, rank: int):
+        super().__init__(rank)
+        self.dataloader = dataloader
+
+    def local_state(self):
+        return self.dataloader.state_dict()
+
+    def set_local_state(self, state) -> None:
+        self.dataloader.load_state_dict(state)
+
+
+@PARTS.register("rng")
+class RNGPart(PerRankPart):
+    name = "rng"
+
+    def local_state(self):
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def set_local_state(self, state) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, rank: int, dp_world: int,
+                   export_dtype: torch.dtype | None = None) -> dict[str, Part]:
+    """The parts of a training run, in the order they are saved and restored."""
+    parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
+                         LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
+                         DataLoaderPart(dataloader, rank), RNGPart(rank)]
+    fp8 = FP8Part(model)
+    if fp8.present():
+        parts.append(fp8)
+    return {p.name: p for p in parts}
