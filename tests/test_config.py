@@ -41,10 +41,15 @@ def test_override_types_bools_and_lists(tmp_path):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--trainng.steps=3"], "unknown section [trainng] (did you mean 'training'?)"),
-    (["--training.stpes=3"], "unknown key training.stpes (did you mean 'steps'?)"),
+    (["--training.stpes=3"], "unknown key training.stpes (did you mean '--training.steps'?)"),
     (["--training.steps=abc"], "training.steps expects int, got 'abc'"),
+    (["--training.lr=1e-3"], "unknown key training.lr (did you mean '--optimizer.lr'? [training] has no 'lr')"),
+    (["--training.steps"], "--training.steps needs a value, e.g. --training.steps=200"),
+    (["--training.steps", "--training.seq_len=8"], "--training.steps needs a value"),
+    (["--data.shuffle=yes"], "data.shuffle expects true or false, got 'yes'"),
+    (["--data.shuffle=1"], "data.shuffle expects true or false, got '1'"),
     (["--training.steps=-1"], "training.steps must be > 0, got -1"),
-    (["--training.deterministic=maybe"], "training.deterministic expects bool"),
+    (["--training.deterministic=maybe"], "training.deterministic expects true or false"),
     (["--optimizer.name=adamx"], "optimizer.name: unknown optimizer 'adamx' (did you mean 'adamw'?)"),
     (["--model.flavor=9B"], "model.flavor = '9B' is not a flavor of llama3"),
     (["--parallelism.data_parallel=zero3"], "unknown data parallelism 'zero3'"),
@@ -71,7 +76,7 @@ def test_cli_exit_code_2_and_no_traceback(tmp_path):
     bad = write(tmp_path, "[training\nsteps = 3\n")
     for args, needle in [(["--config", bad], "TOML syntax error in"),
                          (["--config", str(tmp_path / "missing.toml")], "config file not found"),
-                         (["--training.stepz=3"], "did you mean 'steps'"),
+                         (["--training.stepz=3"], "did you mean '--training.steps'"),
                          (["--model.backend=te"], "use --model.backend=torch"),
                          (["--fp8.enable=true"], "fp8.enable")]:
         r = train(*args)

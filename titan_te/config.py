@@ -263,14 +263,14 @@ def _closest(name: str, valid: list[str]) -> str:
 def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
     """Turn a TOML value or a CLI string into the field's type, or raise ConfigError."""
     bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} ({where})")
-    if isinstance(value, str) and tp is not str:
+    if isinstance(value, str) and tp is not str and where == "on the command line":  # TOML values are typed
         text = value.strip()
-        if tp is bool:
-            if text.lower() in ("true", "1", "yes"):
+        if tp is bool:  # exactly what the README and --help promise
+            if text.lower() == "true":
                 return True
-            if text.lower() in ("false", "0", "no"):
+            if text.lower() == "false":
                 return False
-            raise bad
+            raise ConfigError(f"{key} expects true or false, got {value!r} ({where})")
         if tp is list:
             return [_list_item(v.strip()) for v in text.split(",") if v.strip()]
         try:
@@ -305,7 +305,21 @@ def _list_item(text: str):
         return text
 
 
+MISSING_VALUE = object()  # a command-line option given without a value
+
+
+def _unknown_key_hint(section: str, key: str, secs: dict, cli: bool) -> str:
+    """Did-you-mean for an unknown key: the same key in another section, else the closest key here."""
+    dash = "--" if cli else ""
+    elsewhere = [s for s, cls in secs.items() if s != section and key in _fields(cls)]
+    if elsewhere:
+        return f" (did you mean '{dash}{elsewhere[0]}.{key}'? [{section}] has no '{key}')"
+    close = difflib.get_close_matches(key, list(_fields(secs[section])), n=1, cutoff=0.5)
+    return f" (did you mean '{dash}{section}.{close[0]}'?)" if close else ""
+
+
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
+    cli = where == "on the command line"
     if "." not in dotted:
         raise ConfigError(f"'{dotted}' is not of the form section.key ({where})")
     section, key = dotted.split(".", 1)
@@ -314,8 +328,13 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown section [{section}]{_closest(section, list(secs))} ({where})")
     flds = _fields(secs[section])
     if key not in flds:
-        raise ConfigError(f"unknown key {section}.{key}{_closest(key, list(flds))} ({where})")
+        raise ConfigError(f"unknown key {section}.{key}{_unknown_key_hint(section, key, secs, cli)} ({where})")
     tp = _type_of(secs[section], key)
+    if value is MISSING_VALUE:
+        if tp is not bool:
+            raise ConfigError(f"--{section}.{key} needs a value, e.g. --{section}.{key}="
+                              f"{_toml_value(getattr(getattr(cfg, section), key))} ({where})")
+        value = True
     setattr(getattr(cfg, section), key, _coerce(value, tp, f"{section}.{key}", where))
 
 
@@ -355,7 +374,7 @@ def parse_argv(argv: list[str]) -> CliArgs:
                 key, value = body, argv[i + 1]
                 i += 1
             else:  # a bare flag: only valid for booleans
-                key, value = body, "true"
+                key, value = body, MISSING_VALUE
             args.overrides.append((key, value))
         else:
             raise ConfigError(f"unexpected argument '{tok}'; options look like --section.key=value")

@@ -1,0 +1,178 @@
+"""./run_train.sh keeps train.py's contracts, for 1 and 2 processes: exit codes, one-line errors, signals,
+workers that die with the launcher, one trainer per run folder, the run's own log file."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+SMALL = ["--training.seq_len=32", "--training.local_batch_size=2", "--metrics.log_freq=1",
+         "--metrics.enable_tensorboard=false"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT",
+                                                           "MASTER_ADDR", "NGPU", "LOG_RANK")}
+    env.update(OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _run(args, timeout=240, **env):
+    return subprocess.run(["./run_train.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=_env(**env))
+
+
+def _start(args, **env):
+    """The launcher in a session of its own, as a shell or Slurm would start it (its group = the job)."""
+    return subprocess.Popen(["./run_train.sh", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(**env), start_new_session=True)
+
+
+def _wait_for(proc, text, timeout=120):
+    deadline = time.monotonic() + timeout
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.monotonic() < deadline, "".join(seen[-20:])
+    raise AssertionError(f"{text!r} never printed:\n{''.join(seen[-20:])}")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _steps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_config_errors_are_one_line_and_exit_2(ngpu, tmp_path):
+    for args, start in [(["--training.stpes=3"], "config error: unknown key training.stpes (did you mean "
+                                                  "'--training.steps'?)"),
+                        (["--config", "no_such_preset"], "config error: config file not found: no_such_preset"),
+                        (["--config"], "config error: --config needs a file name")]:
+        r = _run([f"--job.dump_folder={tmp_path}", *args], NGPU=ngpu)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(start), (args, r.stderr)
+        assert "Traceback" not in r.stdout + r.stderr
+    assert "llama_fp8.toml" in r.stderr or "presets" in _run(["--config", "nope"]).stderr
+
+
+def test_launcher_environment_mistakes_are_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        cases = [({"NGPU": "abc"}, "config error: NGPU='abc' is not a whole number"),
+                 ({"NGPU": "0"}, "config error: NGPU=0 must be >= 1"),
+                 ({"LOG_RANK": "5"}, "config error: LOG_RANK=5: rank 5 does not exist; this run has 1 process"),
+                 ({"MASTER_PORT": str(taken)}, f"config error: MASTER_PORT={taken} is taken")]
+        for env, start in cases:
+            r = _run([f"--job.dump_folder={tmp_path}"], **env)
+            assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(start), (env, r.stderr)
+
+
+def test_bare_preset_name_resolves_with_or_without_toml(tmp_path):
+    for name in ("debug", "debug.toml"):
+        r = _run(["--config", name, "--print-config"])
+        assert r.returncode == 0 and 'name = "debug"' in r.stdout, r.stderr
+
+
+def test_two_rank_async_run_lands_every_save_and_logs_to_the_run_folder(tmp_path):
+    r = _run([f"--job.dump_folder={tmp_path}", "--training.steps=50", "--checkpoint.enable=true",
+              "--checkpoint.interval=5", "--checkpoint.async_mode=async", *SMALL], NGPU=2, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    ck = tmp_path / "debug/checkpoint"
+    assert _steps(ck) == sorted(f"step-{s}" for s in range(5, 55, 5))
+    for s in range(5, 55, 5):
+        m = json.loads((ck / f"step-{s}/titan_te.json").read_text())
+        assert m["step"] == s and m["dp_world"] == 2 and (ck / f"step-{s}/.metadata").is_file()
+    assert r.stdout.count("(background)") == 9  # steps 5 .. 45 in the background, the last one in the foreground
+    log = (tmp_path / "debug/logs/rank0.log").read_text()
+    assert "step     50  loss" in log and "checkpoint: saved step 45" in log
+    assert (tmp_path / "debug/logs/rank1.log").is_file()
+    assert "[rank1]" not in r.stdout  # LOG_RANK=0 shows rank 0 only
+
+
+def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(tmp_path):
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--checkpoint.enable=true",
+            "--checkpoint.interval=100000", *SMALL]
+    proc = _start(args, NGPU=2)
+    _wait_for(proc, "step      3")
+    os.killpg(proc.pid, signal.SIGTERM)  # as Slurm does: the launcher and every worker get it
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    assert err.count("\n") == 1 and err.startswith("preempted: stopped by a signal after step "), err
+    step = int(err.split("after step ")[1].split(";")[0])
+    assert _steps(tmp_path / "debug/checkpoint") == [f"step-{step}"]
+    again = _run([*args[:1], f"--training.steps={step + 2}", *args[2:]], NGPU=2)
+    assert again.returncode == 0, again.stderr
+    assert f"(step {step})" in again.stdout and f"training from step {step + 1}" in again.stdout
+
+
+def test_workers_die_with_a_killed_launcher_and_a_live_run_folder_is_locked(tmp_path):
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--checkpoint.enable=true",
+            "--checkpoint.interval=100000", *SMALL]
+    # 1. kill -9 of the launcher alone: its workers get SIGTERM from the kernel, save and stop
+    proc = _start(args, NGPU=2)
+    _wait_for(proc, "step      2")
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    # a second trainer on the same run folder is refused, naming the live one
+    second = subprocess.run(["python3", "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env=_env())
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    holder = json.loads((tmp_path / "debug/.lock").read_text())
+    assert second.stderr.startswith(f"config error: run folder {tmp_path / 'debug'} is in use by another trainer "
+                                    f"(host {holder['host']}, PID {holder['pid']}")
+    assert holder["pid"] in workers
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
+    saved = _steps(tmp_path / "debug/checkpoint")
+    assert len(saved) == 1, saved  # they saved before stopping
+    # 2. kill -9 of the whole group: nothing survives; the stale lock is taken over by the next run
+    proc = _start(args, NGPU=2)
+    _wait_for(proc, "training from step")
+    workers = _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(1)
+    assert not any(_alive(p) for p in workers)
+    step = int(saved[0].split("-")[1])
+    (tmp_path / "debug/checkpoint/step-999.tmp").mkdir()
+    (tmp_path / "debug/checkpoint/step-999.tmp/__0_0.distcp").write_bytes(b"x" * 1000)
+    again = _run([*args[:1], f"--training.steps={step + 1}", *args[2:]], NGPU=2)
+    assert again.returncode == 0, again.stderr
+    assert not (tmp_path / "debug/checkpoint/step-999.tmp").exists()
+    assert "removed" in again.stdout and "step-999.tmp" in again.stdout
+    log = (tmp_path / "debug/logs/rank0.log").read_text()
+    assert log.count("training from step") == 3  # every run appended its lines, also the killed ones

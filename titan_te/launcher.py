@@ -1,0 +1,224 @@
+"""The launcher behind ./run_train.sh: NGPU training processes per node, with train.py's contracts.
+
+    NGPU=8 LOG_RANK=0 python -m titan_te.launcher [--config FILE] [--section.key=value ...]
+
+What torchrun does not give and this does:
+- the exit code is the workers' own (0 done, 2 config/data, 3 checkpoint, 4 out of memory, 75
+  preempted), with no launcher traceback; a user mistake stays one line on stderr;
+- SIGTERM / SIGINT are forwarded to every worker and nothing is killed while they finish the step and
+  the checkpoint save (a worker counts a signal that reaches it twice within moments as one);
+- workers die with the launcher: they run in its process group (a signal to the group reaches them)
+  and get SIGTERM from the kernel if the launcher is killed (PR_SET_PDEATHSIG), so they save and stop.
+
+Environment: NGPU (processes on this node; default the visible CUDA GPUs, else 1), LOG_RANK (global
+ranks whose output is shown, default 0; the others' output appears only when they decide the exit
+code), NNODES and NODE_RANK (default 1 and 0), MASTER_ADDR and MASTER_PORT (default 127.0.0.1 and
+a free port on one node, 29500 on several).
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from titan_te.errors import EXIT_CODES, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "train_configs" / "debug.toml"
+GRACE_S = 30.0  # after one worker fails, how long the others may take to stop on their own
+TERM_S = 60.0  # then, after SIGTERM, how long before they are killed
+PR_SET_PDEATHSIG = 1
+
+
+def _int_env(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Plan:
+    """Who runs where, from the environment; every mistake is a ConfigError before anything starts."""
+
+    def __init__(self, env=os.environ):
+        self.nproc = _int_env("NGPU", 0, 1) or max(_visible_gpus(), 1)
+        self.nnodes = _int_env("NNODES", 1, 1)
+        self.node_rank = _int_env("NODE_RANK", 0, 0)
+        if self.node_rank >= self.nnodes:
+            raise ConfigError(f"NODE_RANK={self.node_rank} must be below NNODES={self.nnodes}")
+        self.world = self.nproc * self.nnodes
+        raw = env.get("LOG_RANK", "0").strip() or "0"
+        try:
+            self.log_ranks = {int(r) for r in raw.split(",") if r.strip()}
+        except ValueError:
+            raise ConfigError(f"LOG_RANK={raw!r}: give global ranks separated by commas, e.g. 0 or 0,8") from None
+        bad = sorted(r for r in self.log_ranks if not 0 <= r < self.world)
+        if bad:
+            raise ConfigError(f"LOG_RANK={raw}: rank {bad[0]} does not exist; this run has {self.world} "
+                              f"process(es), ranks 0..{self.world - 1}")
+        self.master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        port = _int_env("MASTER_PORT", 0, 1)
+        if port and port > 65535:
+            raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
+        if self.nnodes == 1 and port and not _port_free(port):
+            raise ConfigError(f"MASTER_PORT={port} is taken on this machine (another job?); choose another "
+                              f"MASTER_PORT or leave it unset for a free one")
+        self.master_port = port or (_free_port() if self.nnodes == 1 else 29500)
+
+    def worker_env(self, local_rank: int) -> dict:
+        rank = self.node_rank * self.nproc + local_rank
+        return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world),
+                "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
+                "LOG_RANK": ",".join(map(str, sorted(self.log_ranks))), "PYTHONUNBUFFERED": "1"}
+
+
+def _die_with_parent(parent: int):
+    def preexec():
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(128 + signal.SIGTERM)
+
+    return preexec
+
+
+class Worker:
+    def __init__(self, plan: Plan, local_rank: int, argv: list[str]):
+        self.rank = plan.node_rank * plan.nproc + local_rank
+        self.shown = self.rank in plan.log_ranks
+        self.tail: collections.deque = collections.deque(maxlen=20)
+        out = None if self.shown else subprocess.PIPE
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], env=plan.worker_env(local_rank),
+                                     stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     preexec_fn=_die_with_parent(os.getpid()))
+        self.code: int | None = None
+        self.ended_at = 0.0
+        self.killed = False  # stopped by the launcher after another worker failed
+
+    def start_reader(self) -> None:
+        if self.shown:
+            return
+
+        def read():
+            for raw in self.proc.stdout:
+                self.tail.append(raw.decode(errors="replace").rstrip("\n"))
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def poll(self) -> bool:
+        """True once the worker has exited (records its code, signals as 128 + N)."""
+        if self.code is None and self.proc.poll() is not None:
+            rc = self.proc.returncode
+            self.code = 128 - rc if rc < 0 else rc
+            self.ended_at = time.monotonic()
+        return self.code is not None
+
+
+def exit_code(workers: list[Worker]) -> Worker | None:
+    """The worker whose exit code the launcher returns: the first to exit with a documented code (2, 3,
+    4, 75), else the first to fail; None when all succeeded. Workers the launcher stopped do not count."""
+    failed = sorted((w for w in workers if w.code and not w.killed), key=lambda w: w.ended_at)
+    documented = [w for w in failed if w.code in EXIT_CODES]
+    return (documented or failed or [None])[0]
+
+
+def run(argv: list[str]) -> int:
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    plan = Plan()
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        for w in workers:
+            if w.code is None and w.proc.poll() is None:
+                try:
+                    os.kill(w.proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    workers: list[Worker] = []
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, forward)
+    for local_rank in range(plan.nproc):
+        workers.append(Worker(plan, local_rank, argv))
+    for w in workers:
+        w.start_reader()
+    first_failure = None
+    termed = False
+    while not all(w.poll() for w in workers):
+        time.sleep(0.1)
+        failed = [w for w in workers if w.code]
+        if failed and first_failure is None and not received:  # after a signal, nothing is ever killed
+            first_failure = time.monotonic()
+        if first_failure is None:
+            continue
+        waited = time.monotonic() - first_failure
+        alive = [w for w in workers if w.code is None]
+        if waited > GRACE_S and not termed:
+            termed = True
+            for w in alive:
+                w.killed = True
+                w.proc.send_signal(signal.SIGTERM)
+        elif waited > GRACE_S + TERM_S:
+            for w in alive:
+                w.proc.kill()
+    decider = exit_code(workers)
+    if decider is None:
+        return 0
+    if not any(w.shown and w.code == decider.code for w in workers):
+        for line in decider.tail:  # what the deciding rank printed last (its full log is in the run folder)
+            print(f"[rank{decider.rank}] {line}", file=sys.stderr)
+    if decider.code not in EXIT_CODES:
+        print(f"launcher: rank {decider.rank} failed with exit code {decider.code}", file=sys.stderr)
+    return decider.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(e.line(), file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
