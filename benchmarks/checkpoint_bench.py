@@ -3,7 +3,7 @@
     python benchmarks/checkpoint_bench.py [--flavor 1B] [--n_layers 0] [--folder /tmp/ckbench] [overrides]
 
 Builds the real trainer (model, AdamW state, data loader), takes one step, then for each mode saves
-the full training state once. "blocked" is what the training loop waits for: the save call itself
+the full training state `--repeats` times (every save must be complete on disk). "blocked" is what the training loop waits for: the save call itself
 plus, for the pinned-memory mode, the wait for staging before the next optimizer step (a real
 training step runs in between, as in the trainer). "on disk s" runs from the save call until the
 checkpoint is complete on disk; for the async modes it includes the training step that overlapped it.
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from titan_te import config as config_mod  # noqa: E402
-from titan_te.checkpoint import CheckpointManager  # noqa: E402
+from titan_te.checkpoint import CheckpointManager, complete_steps, step_dir  # noqa: E402
+from titan_te.checkpoint.folder import folder_bytes  # noqa: E402
 from titan_te.logging_setup import setup_logging  # noqa: E402
 from titan_te.trainer import Trainer  # noqa: E402
 
@@ -58,30 +59,32 @@ def main() -> int:
     step_s = time.perf_counter() - t0
     state_gb = sum(p.numel() * p.element_size() * 3 for p in tr.model.parameters()) / 1e9  # weights + 2 moments
     rows = []
-    for mode in MODES:
-        ck_cfg = replace(cfg.checkpoint, enable=True, async_mode=mode, keep_latest_k=1,
-                         folder=str(folder / mode))
-        ck = CheckpointManager(ck_cfg, tr.run_folder, tr.model, tr.optimizer, tr.lr_scheduler, tr.dataloader,
-                               tr.state, tr.env)
-        tr.checkpointer = ck  # train_step waits for its staging, as in training
+    for i, mode in enumerate(MODES):
+        ck_cfg = replace(cfg.checkpoint, enable=True, async_mode=mode, keep_latest_k=0, folder=str(folder / mode))
+        ck = CheckpointManager(ck_cfg, folder / mode, tr.checkpointer.parts, tr.env, tr._facts(), 10**9)
+        hook = tr.optimizer.register_step_pre_hook(ck.before_optimizer_step)  # as the trainer does
         blocked, total = [], []
-        for i in range(a.repeats):
+        for r in range(a.repeats):
             t0 = time.perf_counter()
-            ck.save(100 + i)
+            ck.save(100 * (i + 1) + r, sync=mode == "disabled")
             step()  # the next step overlaps the background work; its optimizer step waits for staging
             blocked.append(ck.last_blocked_s)
-            ck.finish_pending(wait=True)
-            total.append(time.perf_counter() - t0 - (0.0 if mode != "disabled" else step_s))
+            ck.flush()
+            total.append(time.perf_counter() - t0 - (step_s if mode == "disabled" else 0.0))
+        size_gb = folder_bytes(step_dir(folder / mode, 100 * (i + 1))) / 1e9
+        saved = complete_steps(folder / mode)
+        assert len(saved) == a.repeats, f"{mode}: only {saved} of {a.repeats} saves are complete"
+        hook.remove()
         ck.close()
         shutil.rmtree(folder / mode, ignore_errors=True)
-        rows.append((mode, min(blocked), min(total)))
+        rows.append((mode, min(blocked), min(total), size_gb))
     sync = rows[0][1]
     print(f"\ncheckpoint blocking, {a.flavor} flavor ({sum(p.numel() for p in tr.model.parameters()) / 1e6:,.0f} M "
           f"parameters, {state_gb:.1f} GB weights+moments), device {tr.device}, train step {step_s:.2f}s")
-    print(f"{'async_mode':<24}{'blocked s':>12}{'on disk s':>12}{'blocked / sync':>16}")
-    for mode, b, t in rows:
-        print(f"{mode:<24}{b:>12.3f}{t:>12.2f}{100 * b / sync:>15.1f}%")
-    ok = all(b <= 0.10 * sync for m, b, _ in rows[1:])
+    print(f"{'async_mode':<24}{'blocked s':>12}{'on disk s':>12}{'blocked / sync':>16}{'GB':>8}")
+    for mode, b, t, gb in rows:
+        print(f"{mode:<24}{b:>12.3f}{t:>12.2f}{100 * b / sync:>15.1f}%{gb:>8.2f}")
+    ok = all(b <= 0.10 * sync for m, b, _, _ in rows[1:])
     print(f"async modes block <= 10% of a synchronous save: {'yes' if ok else 'NO'}")
     tr.close()
     shutil.rmtree(folder, ignore_errors=True)

@@ -1,5 +1,6 @@
 """DCP checkpoints on real gloo ranks and real folders: exact resume, resharding, failures."""
 import errno
+import json
 import os
 import shutil
 import signal
@@ -131,6 +132,7 @@ def test_corrupt_checkpoint_error_names_folder_and_newest_good_one(tmp_path):
 def test_disk_full_keeps_training_and_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint.filesystem as fs
 
+    from titan_te.errors import CheckpointError
     from titan_te.trainer import Trainer
 
     tr = Trainer(_cfg(str(tmp_path), 1))
@@ -148,14 +150,137 @@ def test_disk_full_keeps_training_and_previous_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(fs.FileSystemWriter, "write_data", real)
     losses = tr.train(until_step=8)  # training goes on
     assert len(losses) == 8
-    tr.close()
     ck = tmp_path / "t/checkpoint"
     assert sorted(p.name for p in ck.iterdir()) == ["step-5"]
-    from titan_te.checkpoint import CheckpointError
-
     monkeypatch.setattr(fs.FileSystemWriter, "write_data", full)  # the final save fails too: that is fatal
-    with pytest.raises(CheckpointError, match="No space left on device.*newest good checkpoint is .*step-5"):
-        tr.checkpointer.save(8, last=True)
+    with pytest.raises(CheckpointError, match="No space left on device.*newest good checkpoint is .*step-5.*"
+                                              "the final save failed"):
+        tr.checkpointer.save(STEPS)
+    tr.close()
+    assert sorted(p.name for p in ck.iterdir()) == ["step-5"]  # the failed save left nothing behind
+
+
+def _always_full(monkeypatch, after_step: int):
+    """Every DCP write from `after_step` on fails with ENOSPC (a disk that filled up)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    real = fs.FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if int(str(self.path).rsplit("step-", 1)[1].split(".")[0]) > after_step:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(fs.FileSystemWriter, "write_data", write_data)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_environmental_save_failures_stop_the_run_after_the_limit(mode, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from titan_te.errors import CheckpointError
+    from titan_te.trainer import Trainer
+
+    _always_full(monkeypatch, after_step=4)
+    caplog.set_level(logging.INFO, logger="titan_te")
+    with Trainer(_cfg(str(tmp_path), 1, mode, checkpoint={"interval": 2, "max_consecutive_failures": 2})) as tr:
+        with pytest.raises(CheckpointError) as e:
+            tr.train()
+        stopped_at = tr.state.step
+    assert CheckpointError.exit_code == 3
+    msg = str(e.value)
+    assert "No space left on device" in msg and "3 saves in a row failed" in msg, msg
+    assert f"newest good checkpoint is {tmp_path / 't/checkpoint/step-4'}" in msg
+    # steps 6 and 8 failed and were survived, step 10's failure (found at step 10 or, in the background, at 11) stops
+    # (a background failure is found at the next step's poll, or at the latest when the next save waits for it)
+    assert stopped_at == 10 if mode == "disabled" else 10 <= stopped_at <= 12
+    survived = [r.getMessage() for r in caplog.records if "training continues" in r.getMessage()]
+    assert len(survived) == 2 and "(1 of at most 2" in survived[0] and "(2 of at most 2" in survived[1]
+    assert complete_steps_of(tmp_path) == [2, 4]
+
+
+def complete_steps_of(tmp_path):
+    from titan_te.checkpoint import complete_steps
+
+    return complete_steps(tmp_path / "t/checkpoint")
+
+
+def _saves(rank, world, tmp, mode):
+    """A run with a save every 2 steps, all kept."""
+    from titan_te.trainer import Trainer
+
+    with Trainer(_cfg(tmp, world, mode, training={"steps": 9}, checkpoint={"interval": 2, "keep_latest_k": 0})) as tr:
+        tr.train()
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_every_background_save_of_a_process_lands(mode, tmp_path):
+    """pytorch#183413: torch 2.11's DefaultStager fails every async save after the first. Ours stages
+    with its own reusable copier: all four background saves and the final one are complete."""
+    from titan_te.checkpoint import Manifest
+
+    run_ranks(_saves, 2, str(tmp_path), mode)
+    ck = tmp_path / "t/checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-6", "step-8", "step-9"]
+    lineages = set()
+    for step in (2, 4, 6, 8, 9):
+        assert (ck / f"step-{step}/.metadata").is_file()
+        m = Manifest.read(ck / f"step-{step}")
+        assert m.step == step and m.dp_world == 2 and "optimizer" in m.parts
+        lineages.add(m.lineage)
+    assert len(lineages) == 1
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert [f"saved step {s} " in log for s in (2, 4, 6, 8)] == [True] * 4 and log.count("(background)") == 4
+    assert "failed" not in log
+
+
+def test_the_stager_can_be_reused_and_copies_what_it_was_given():
+    from titan_te.checkpoint.background import Stager
+
+    for pinned in (False, True):
+        stager = Stager(torch.device("cpu"), pinned=pinned)
+        w = torch.zeros(6)
+        for i in range(4):
+            w.fill_(i)
+            staged = stager.stage({"model": {"w": w, "nested": [w * 2, 3]}, "step": i})
+            w.fill_(-1)  # training goes on after staging: the copy keeps the staged values
+            assert torch.equal(staged["model"]["w"], torch.full((6,), float(i)))
+            assert torch.equal(staged["model"]["nested"][0], torch.full((6,), 2.0 * i))
+            assert staged["model"]["nested"][1] == 3 and staged["step"] == i
+        stager.close()
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_bug_while_building_the_save_stops_the_run_with_its_traceback(mode, tmp_path, monkeypatch):
+    from titan_te.checkpoint.parts import LRSchedulerPart
+    from titan_te.trainer import Trainer
+
+    def broken(self):
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+
+    monkeypatch.setattr(LRSchedulerPart, "state_dict", broken)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        with Trainer(_cfg(str(tmp_path), 1, mode)) as tr:
+            tr.train()
+    assert tr.state.step == 5  # the first save raised at once: training did not go on without checkpoints
+    assert complete_steps_of(tmp_path) == []
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert "Traceback" in log and "TypeError: unsupported operand" in log  # the run's log says how it ended
+
+
+def test_a_bug_in_the_background_copy_stops_the_run(tmp_path, monkeypatch):
+    from titan_te.checkpoint.background import Stager
+    from titan_te.trainer import Trainer
+
+    def broken(self, t, path):
+        raise TypeError(f"cannot stage {path}")
+
+    monkeypatch.setattr(Stager, "_copy", broken)
+    with pytest.raises(TypeError, match="cannot stage"):
+        with Trainer(_cfg(str(tmp_path), 1, "async_with_pinned_mem")) as tr:
+            tr.train()
+    assert 5 <= tr.state.step <= 6  # found at the next step's poll or when the optimizer waited for the copy
+    assert complete_steps_of(tmp_path) == []
 
 
 def test_unwritable_folder_mid_run_keeps_training_and_at_startup_is_one_clear_error(tmp_path, monkeypatch, caplog):
@@ -218,3 +343,91 @@ def test_sigterm_saves_and_exits_with_documented_code_then_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"resumed from {tmp_path / 'debug/checkpoint' / saved[0]} (step {step})" in again.stdout
     assert f"training from step {step + 1}" in again.stdout
+
+
+def _go(tmp_path, steps, **extra):
+    """One rank trains to `steps` (interval 5 unless overridden); returns (step it started after, losses)."""
+    extra.setdefault("training", {})["steps"] = steps
+    return run_ranks(_run, 1, str(tmp_path), "disabled", None, extra)[0]
+
+
+def _refused(tmp_path, steps, **extra) -> str:
+    with pytest.raises(AssertionError) as e:
+        _go(tmp_path, steps, **extra)
+    assert "CheckpointError" in str(e.value)
+    return str(e.value).split("CheckpointError: ", 1)[1].split("\n")[0]
+
+
+def test_retention_counts_only_this_lineage_and_keeps_the_resumed_from_checkpoint(tmp_path):
+    _go(tmp_path, 4, checkpoint={"interval": 2, "keep_latest_k": 0})
+    ck = tmp_path / "t/checkpoint"
+    # a checkpoint of another run (another lineage) and a leftover DCP folder we did not write
+    shutil.copytree(ck / "step-2", ck / "step-3")
+    manifest = json.loads((ck / "step-3/titan_te.json").read_text())
+    (ck / "step-3/titan_te.json").write_text(json.dumps({**manifest, "step": 3, "lineage": "another-run"}))
+    (ck / "step-999").mkdir()
+    (ck / "step-999/.metadata").write_bytes(b"garbage")
+    start, _ = _go(tmp_path, 8, checkpoint={"interval": 2, "keep_latest_k": 1})
+    assert start == 4
+    # step-2 and step-6 are pruned; step-4 (resumed from), step-8 (just written), step-3 and step-999 stay
+    assert sorted(p.name for p in ck.iterdir()) == ["step-3", "step-4", "step-8", "step-999"]
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert f"ignoring {ck / 'step-999'}: not a complete titan_te checkpoint" in log
+
+
+def test_loading_an_older_step_is_refused_unless_replace_newer_then_newer_ones_are_moved_aside(tmp_path):
+    _go(tmp_path, 10)
+    ck = tmp_path / "t/checkpoint"
+    msg = _refused(tmp_path, 12, checkpoint={"load_step": 5})
+    assert f"{ck} holds step-10, which later saves of this run would replace" in msg
+    assert "--checkpoint.replace_newer=true" in msg and "nothing is deleted" in msg
+    assert sorted(p.name for p in ck.iterdir()) == ["step-10", "step-5"]  # untouched
+    start, losses = _go(tmp_path, 12, checkpoint={"load_step": 5, "replace_newer": True})
+    assert start == 5 and len(losses) == 7
+    aside = [p for p in ck.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and (aside[0] / "step-10/.metadata").is_file()
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-10", "step-12", "step-5"]
+
+
+def test_a_resume_that_restarts_the_step_counter_never_overwrites_checkpoints(tmp_path):
+    _go(tmp_path, 10)
+    ck = tmp_path / "t/checkpoint"
+    before = {p.name: (p / ".metadata").stat().st_mtime_ns for p in ck.iterdir()}
+    msg = _refused(tmp_path, 10, checkpoint={"exclude_from_loading": ["train_state"]})
+    assert "exclude_from_loading has train_state, so this run counts its steps from 1 again" in msg
+    assert "step-5, step-10" in msg
+    assert {p.name: (p / ".metadata").stat().st_mtime_ns for p in ck.iterdir()} == before
+
+
+def test_a_model_only_final_save_finishes_the_run_or_names_the_full_checkpoint(tmp_path):
+    _go(tmp_path, 10, checkpoint={"last_save_model_only": True})
+    ck = tmp_path / "t/checkpoint"
+    from titan_te.checkpoint import Manifest
+
+    assert Manifest.read(ck / "step-10").model_only and Manifest.read(ck / "step-10").parts == ["model"]
+    assert _go(tmp_path, 10, checkpoint={"last_save_model_only": True}) == (10, [])  # nothing left to train
+    msg = _refused(tmp_path, 15)
+    assert f"{ck / 'step-10'} holds only model weights" in msg
+    assert "--checkpoint.load_step=5 --checkpoint.replace_newer=true" in msg
+    start, losses = _go(tmp_path, 15, checkpoint={"load_step": 5, "replace_newer": True})
+    assert start == 5 and len(losses) == 10
+
+
+def test_a_checkpoint_of_another_shape_names_what_differs_and_no_older_step_with_the_same_problem(tmp_path):
+    _go(tmp_path, 10)
+    ck = tmp_path / "t/checkpoint"
+    msg = _refused(tmp_path, 12, model={"n_layers": 2})
+    assert f"checkpoint {ck / 'step-10'} does not fit this run" in msg
+    assert "model.n_layers is 4 in the checkpoint, 2 in this run" in msg
+    assert "corrupt" not in msg and "load_step" not in msg  # step-5 has 4 layers too: not suggested
+    msg = _refused(tmp_path, 12, optimizer={"moment_dtype": "bfloat16"})
+    assert "optimizer.moment_dtype is 'float32' in the checkpoint, 'bfloat16' in this run" in msg
+    assert "--checkpoint.exclude_from_loading=optimizer" in msg
+    # the tensors are compared too, not only the manifest's facts: with facts that claim 2 layers, the
+    # checkpoint's extra blocks are still found (nothing is silently cut down)
+    manifest = json.loads((ck / "step-10/titan_te.json").read_text())
+    manifest["facts"]["model"]["n_layers"] = 2
+    (ck / "step-10/titan_te.json").write_text(json.dumps(manifest))
+    msg = _refused(tmp_path, 12, model={"n_layers": 2})
+    assert "the checkpoint holds model tensors this run does not have: layers.2.*, layers.3.*" in msg, msg
+    assert sorted(p.name for p in ck.iterdir()) == ["step-10", "step-5"]

@@ -66,3 +66,16 @@ def test_export_of_an_incomplete_checkpoint_is_refused(tmp_path, capsys):
     (tmp_path / "step-5.tmp").mkdir()
     assert export.main(["--checkpoint", str(tmp_path / "step-5.tmp"), "--out", str(tmp_path / "o")]) == 2
     assert "not a complete DCP checkpoint" in capsys.readouterr().err
+
+
+def test_initial_load_path_with_more_layers_than_the_model_is_refused(tmp_path):
+    from titan_te import export
+
+    run_ranks(_train, 1, tmp_path / "run", 1, {"enable": True, "interval": 100}, {})
+    hf = tmp_path / "hf"
+    assert export.main(["--checkpoint", str(tmp_path / "run/t/checkpoint/step-1"), "--out", str(hf)]) == 0
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_train, 1, tmp_path / "small", 1, {"enable": False, "initial_load_path": str(hf)},
+                  {"model": {"n_layers": 2}})
+    msg = str(e.value)
+    assert "ConfigError" in msg and "model.layers.2." in msg and "it has 4 layers, the model 2" in msg

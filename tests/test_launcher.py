@@ -175,4 +175,4 @@ def test_workers_die_with_a_killed_launcher_and_a_live_run_folder_is_locked(tmp_
     assert not (tmp_path / "debug/checkpoint/step-999.tmp").exists()
     assert "removed" in again.stdout and "step-999.tmp" in again.stdout
     log = (tmp_path / "debug/logs/rank0.log").read_text()
-    assert log.count("training from step") == 3  # every run appended its lines, also the killed ones
+    assert log.count("training from step") == 3, log  # every run appended its lines, also the killed ones

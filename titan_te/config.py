@@ -292,6 +292,8 @@ def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
     if tp is list:
         if isinstance(value, list):
             return value
+        if isinstance(value, str):  # "dataloader,rng" in TOML reads as it does on the command line
+            return [_list_item(v.strip()) for v in value.split(",") if v.strip()]
         raise bad
     if tp is str and isinstance(value, str):
         return value

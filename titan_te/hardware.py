@@ -23,7 +23,7 @@ def resolve_backend(choice: str, device: str) -> str:
 
 
 def check_hardware(cfg, where: str) -> None:
-    from titan_te.config import ConfigError
+    from titan_te.errors import ConfigError
     from titan_te.layers import BACKENDS
 
     device = resolve_device(cfg.training.device)

@@ -42,6 +42,22 @@ def to_hf(sd: dict, args) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def hf_names(args) -> set[str]:
+    """The HF tensor names a model of `args` reads (and writes)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    return names | {f"model.layers.{i}.{k}" for i in range(args.n_layers) for k in _LAYER_KEYS}
+
+
+def unexpected_hf_names(hf: dict, args) -> list[str]:
+    """Tensors in an HF folder this model would silently drop (rotary caches are not weights)."""
+    return sorted(k for k in set(hf) - hf_names(args) if not k.endswith("rotary_emb.inv_freq"))
+
+
 def from_hf(hf: dict, args) -> dict:
     """HF LlamaForCausalLM tensors -> our full model state."""
     hd, nh, nkv = args.head_dim, args.n_heads, args.n_kv_heads
@@ -127,10 +143,16 @@ def read_hf_folder(folder: Path) -> dict:
 @torch.no_grad()
 def load_hf_weights(model, folder: str, write=None) -> None:
     """Load a HF Llama folder into a (possibly sharded) model, each rank copying its own shard."""
-    from titan_te.config import ConfigError
+    from titan_te.errors import ConfigError
 
     try:
         hf = read_hf_folder(Path(folder))
+        extra = unexpected_hf_names(hf, model.args)
+        if extra:
+            layers = {int(k.split(".")[2]) for k in hf if k.startswith("model.layers.")}
+            raise ConfigError(f"checkpoint.initial_load_path = {folder} holds tensors this model has no place for "
+                              f"({len(extra)}, e.g. {', '.join(extra[:3])}): it has {len(layers)} layers, the "
+                              f"model {model.args.n_layers}; set --model.n_layers (and the flavor) to match it")
         sd = from_hf(hf, model.args)
     except (FileNotFoundError, KeyError, RuntimeError) as e:
         raise ConfigError(f"checkpoint.initial_load_path = {folder}: not a Llama safetensors folder matching "

@@ -78,7 +78,8 @@ def attach_log_file(folder: Path, rank: int) -> Path:
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S"))
     log = logging.getLogger("titan_te")
-    log.handlers = [h for h in log.handlers if not isinstance(h, LineFlushingFileHandler)] + [handler]
+    # the file first: a line seen on the console is already on disk, even if the job is killed right after
+    log.handlers = [handler] + [h for h in log.handlers if not isinstance(h, LineFlushingFileHandler)]
     log.setLevel(logging.INFO)  # the console handler keeps its own level
     return path
 

@@ -30,7 +30,7 @@ def _summarize(keys: list[str], limit: int = 3) -> str:
     """'layers.2.*, layers.3.* (12 keys)': block-level names where blocks differ."""
     groups: list[str] = []
     for k in keys:
-        g = re.sub(r"^(\w+\.(\w+\.)?(layers\.\d+))\..*$", r"\3.*", k.split(".", 1)[1] if "." in k else k)
+        g = re.sub(r"^(.*?\blayers\.\d+)\..*$", r"\1.*", k.split(".", 1)[1] if "." in k else k)
         if g not in groups:
             groups.append(g)
     shown = ", ".join(groups[:limit]) + (", ..." if len(groups) > limit else "")

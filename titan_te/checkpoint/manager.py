@@ -295,10 +295,10 @@ class CheckpointManager:
         def publish():
             (tmp / fs.MANIFEST).write_text(manifest.to_json())
             fs.publish(tmp, final)
-            return self.retention.prune(self.lineage, just_written=step)
+            return self.retention.prune(self.lineage, just_written=step), fs.folder_bytes(final)
 
         try:
-            pruned = self._on_rank0(publish)
+            pruned, size = self._on_rank0(publish)
         except OSError as e:
             self._failed(step, tmp, e, final=step >= self.total_steps)
             return
@@ -307,7 +307,8 @@ class CheckpointManager:
         self._completed.append(SaveRecord(step, self.last_blocked_s, time.perf_counter() - t0))
         if self.rank == 0:
             how = " (background)" if background else ""
-            logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - t0:.2f}s, training "
+            logger.info(f"checkpoint: saved step {step} to {final} ({size / 1e9:.2f} GB) in "
+                        f"{time.perf_counter() - t0:.2f}s, training "
                         f"waited {self.last_blocked_s:.2f}s{how}"
                         + (f"; removed old {', '.join(f'step-{s}' for s in pruned)}" if pruned else ""))
 

@@ -5,6 +5,7 @@ sees the same corpus.
 """
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -14,15 +15,24 @@ from titan_te.data.token_source import TokenSource, join_documents
 CORPUS_BYTES = 6 * 2**20
 
 
+SKIPPED_DIRS = {"test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files(root: Path) -> list[Path]:
+    """The standard library's .py files, sorted; installed packages and the test suite are not walked."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
 def stdlib_documents(limit: int = CORPUS_BYTES):
-    root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        if "test" in path.parts or "site-packages" in path.parts:
-            continue
+    for path in stdlib_files(Path(sysconfig.get_paths()["stdlib"])):
         try:
             text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
+        except (UnicodeDecodeError, OSError):  # not UTF-8, or removed since the walk (a package upgrade)
             continue
         yield text
         total += len(text)

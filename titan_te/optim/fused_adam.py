@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_te.config import ConfigError
+from titan_te.errors import ConfigError
 from titan_te.optim import OPTIMIZERS, OptimizerSpec
 from titan_te.optim.param_groups import decay_groups
 

@@ -84,7 +84,7 @@ def shutdown(clean: bool = True) -> None:
     if clean and dist.get_world_size() > 1:
         try:
             dist.barrier()
-        except Exception:  # a peer already gone: nothing left to wait for
+        except RuntimeError:  # DistBackendError & co: a peer already gone, nothing left to wait for
             pass
     dist.destroy_process_group()
 
