@@ -48,7 +48,7 @@ def test_override_types_bools_and_lists(tmp_path):
     (["--training.steps", "--training.seq_len=8"], "--training.steps needs a value"),
     (["--data.shuffle=yes"], "data.shuffle expects true or false, got 'yes'"),
     (["--data.shuffle=1"], "data.shuffle expects true or false, got '1'"),
-    (["--training.steps=-1"], "training.steps must be > 0, got -1"),
+    (["--training.steps=-1"], "training.steps must be within [1, 1,000,000,000], got -1"),
     (["--training.deterministic=maybe"], "training.deterministic expects true or false"),
     (["--optimizer.name=adamx"], "optimizer.name: unknown optimizer 'adamx' (did you mean 'adamw'?)"),
     (["--model.flavor=9B"], "model.flavor = '9B' is not a flavor of llama3"),

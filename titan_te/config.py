@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
+import math
 import os
 import sys
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,13 +27,43 @@ except ModuleNotFoundError:  # Python < 3.11
 
 from titan_te.errors import ConfigError
 
-def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None):
+@dataclass(frozen=True)
+class Bounds:
+    """The valid interval of a number option; `low_open` / `high_open` exclude the end itself."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, v: float) -> bool:
+        return not ((self.low is not None and (v < self.low or (self.low_open and v == self.low))) or
+                    (self.high is not None and (v > self.high or (self.high_open and v == self.high))))
+
+    def text(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {number(self.low)}"
+        return (f"within {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def number(v: float) -> str:
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
+
+POSITIVE, NON_NEGATIVE = Bounds(0, low_open=True), Bounds(0)
+FRACTION, UNIT_OPEN = Bounds(0, 1), Bounds(0, 1, high_open=True)
+WEEK_S = 7 * 24 * 3600
+
+
+def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None,
+        bounds: Bounds | None = None):
     """A config field with a default and a one-line doc.
 
     `choices` is a fixed set of values; `registry` names "module:ATTR" of a Registry whose names
-    are the valid values (resolved lazily so custom imports can add entries first).
+    are the valid values (resolved lazily so custom imports can add entries first); `bounds` is the
+    valid interval of a number (every float must also be finite: NaN and inf are never valid).
     """
-    meta = {"doc": doc, "choices": choices, "registry": registry}
+    meta = {"doc": doc, "choices": choices, "registry": registry, "bounds": bounds}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -53,7 +86,7 @@ class Model:
     flavor: str = opt("debug", "size preset of the model family (debug, 1B, 3B, 8B, 70B for llama3)")
     backend: str = opt("auto", "layer backend: auto (te when CUDA and TE are present), torch or te",
                        registry="titan_te.layers:BACKENDS")
-    n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)")
+    n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)", bounds=Bounds(0, 4096))
     document_mask: bool = opt(False, "attention stays inside each packed document (a document starts at the "
                                      "tokenizer's BOS); off: sequences attend across document boundaries")
     fuse_wgrad_accumulation: bool = opt(False, "te backend: accumulate weight gradients into param.main_grad "
@@ -62,13 +95,13 @@ class Model:
 
 @dataclass
 class Training:
-    steps: int = opt(200, "optimizer steps to train")
-    local_batch_size: int = opt(8, "sequences per micro-batch on each data-parallel rank")
+    steps: int = opt(200, "optimizer steps to train", bounds=Bounds(1, 10**9))
+    local_batch_size: int = opt(8, "sequences per micro-batch on each data-parallel rank", bounds=Bounds(1, 2**20))
     global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks (-1: local x dp); "
                                      "gradient accumulation = global / (local x dp)")
-    seq_len: int = opt(256, "tokens per sequence")
-    max_norm: float = opt(1.0, "gradient-norm clipping threshold (0 disables clipping)")
-    seed: int = opt(0, "seed for weights, data order and dropout-free sampling")
+    seq_len: int = opt(256, "tokens per sequence", bounds=Bounds(1, 2**22))
+    max_norm: float = opt(1.0, "gradient-norm clipping threshold (0 disables clipping)", bounds=NON_NEGATIVE)
+    seed: int = opt(0, "seed for weights, data order and dropout-free sampling", bounds=Bounds(0, 2**32 - 1))
     deterministic: bool = opt(False, "use deterministic algorithms (bit-exact reruns, slower)")
     device: str = opt("auto", "auto (cuda when available), cuda or cpu", choices=("auto", "cuda", "cpu"))
     mixed_precision_param: str = opt("bfloat16", "FSDP parameter dtype for compute on GPU (CPU uses float32)",
@@ -88,21 +121,21 @@ class Data:
                          registry="titan_te.data:TOKENIZERS")
     tokenizer_path: str = opt("", "the hf / tiktoken tokenizer file (or its folder)")
     text_field: str = opt("text", "field holding the text in .jsonl / .parquet records")
-    num_workers: int = opt(0, "data-loader worker processes")
+    num_workers: int = opt(0, "data-loader worker processes", bounds=Bounds(0, 256))
     shuffle: bool = opt(True, "shuffle sequences each epoch (seeded by training.seed)")
     hf_subset: str = opt("", "hf: the dataset's configuration (subset) name, if it has several")
     hf_split: str = opt("train", "hf: the split to stream")
     hf_data_files: str = opt("", "hf: data files (a path or glob) for builders such as json or parquet")
-    hf_shuffle_buffer: int = opt(10000, "hf: records in the shuffle buffer")
+    hf_shuffle_buffer: int = opt(10000, "hf: records in the shuffle buffer", bounds=Bounds(1, 10**8))
 
 
 @dataclass
 class Validation:
     enable: bool = opt(False, "evaluate held-out data every `freq` steps (loss logged to console and TensorBoard)")
-    freq: int = opt(100, "validate every N steps")
-    steps: int = opt(10, "batches per validation (per data-parallel rank)")
+    freq: int = opt(100, "validate every N steps", bounds=Bounds(1))
+    steps: int = opt(10, "batches per validation (per data-parallel rank)", bounds=Bounds(1))
     hold_out_fraction: float = opt(0.01, "share of the training tokens held out when the dataset has no "
-                                         "validation split of its own (tokens shards bring val-*)")
+                                         "validation split of its own (tokens shards bring val-*)", bounds=Bounds(0, 1, low_open=True, high_open=True))
 
 
 @dataclass
@@ -112,17 +145,17 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "ranks a parameter is sharded over (-1: the rest of the world)")
     data_parallel_replicate_degree: int = opt(1, "replicas of the sharded model (hsdp)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
-    comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails")
+    comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails", bounds=Bounds(1, WEEK_S))
 
 
 @dataclass
 class Optimizer:
     name: str = opt("adamw", "optimizer", registry="titan_te.optim:OPTIMIZERS")
-    lr: float = opt(1e-3, "peak learning rate")
-    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, 1-D params)")
-    beta1: float = opt(0.9, "Adam beta1")
-    beta2: float = opt(0.95, "Adam beta2")
-    eps: float = opt(1e-8, "Adam epsilon")
+    lr: float = opt(1e-3, "peak learning rate", bounds=POSITIVE)
+    weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, 1-D params)", bounds=NON_NEGATIVE)
+    beta1: float = opt(0.9, "Adam beta1", bounds=UNIT_OPEN)
+    beta2: float = opt(0.95, "Adam beta2", bounds=UNIT_OPEN)
+    eps: float = opt(1e-8, "Adam epsilon", bounds=NON_NEGATIVE)
     master_weights: bool = opt(True, "fused_adam / te_fused_adam: FP32 master copies of low-precision weights")
     moment_dtype: str = opt("float32", "fused_adam / te_fused_adam: dtype of exp_avg and exp_avg_sq",
                             choices=("float32", "bfloat16"))
@@ -132,44 +165,44 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(10, "linear warmup steps from lr/(warmup+1) to lr")
+    warmup_steps: int = opt(10, "linear warmup steps from lr/(warmup+1) to lr", bounds=NON_NEGATIVE)
     decay_type: str = opt("cosine", "decay after warmup: cosine, linear or constant",
                           registry="titan_te.optim:LR_DECAYS")
-    min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak")
+    min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak", bounds=FRACTION)
 
 
 @dataclass
 class Metrics:
-    log_freq: int = opt(10, "print / log metrics every N steps")
+    log_freq: int = opt(10, "print / log metrics every N steps", bounds=Bounds(1))
     enable_tensorboard: bool = opt(True, "write TensorBoard event files under <run>/tb")
     rank_0_only: bool = opt(True, "only rank 0 writes TensorBoard events")
     fp8_stats_freq: int = opt(100, "with delayed-scaling FP8: log amax and scale statistics per layer group "
-                                   "every N steps (0 disables)")
+                                   "every N steps (0 disables)", bounds=NON_NEGATIVE)
 
 
 @dataclass
 class Profiling:
     enable_profiling: bool = opt(False, "write torch.profiler traces of steps profile_start .. +profile_active")
-    profile_start: int = opt(5, "first traced step")
-    profile_active: int = opt(2, "number of traced steps")
+    profile_start: int = opt(5, "first traced step", bounds=Bounds(1))
+    profile_active: int = opt(2, "number of traced steps", bounds=Bounds(1))
     traces_folder: str = opt("profile_traces", "trace folder inside the run folder")
     enable_memory_snapshot: bool = opt(False, "record CUDA allocations; write a snapshot at "
                                               "memory_snapshot_steps and on out-of-memory")
     memory_snapshot_steps: list = opt([], "steps after which a CUDA memory snapshot is written")
     memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside the run folder")
-    memory_history_entries: int = opt(100000, "allocation events kept for the snapshot")
+    memory_history_entries: int = opt(100000, "allocation events kept for the snapshot", bounds=Bounds(1))
 
 
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save DCP checkpoints and resume from the newest one")
     folder: str = opt("checkpoint", "checkpoint folder inside the run folder (or an absolute path)")
-    interval: int = opt(500, "save every N steps (the last step is always saved)")
+    interval: int = opt(500, "save every N steps (the last step is always saved)", bounds=Bounds(1))
     async_mode: str = opt("disabled", "disabled (training waits for the write), async (copy and write "
                                       "in the background) or async_with_pinned_mem (copy into reused pinned "
                                       "buffers)",
                           choices=("disabled", "async", "async_with_pinned_mem"))
-    keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)")
+    keep_latest_k: int = opt(0, "keep only the newest K checkpoints (0 keeps all)", bounds=NON_NEGATIVE)
     load_step: int = opt(-1, "step to resume from (-1: newest complete checkpoint)")
     replace_newer: bool = opt(False, "allow a resume that would make later saves replace newer checkpoints "
                                      "(an older load_step, or train_state excluded); they are moved to "
@@ -178,8 +211,8 @@ class Checkpoint:
                                          "dataloader, train_state, rng, fp8",
                                      registry="titan_te.checkpoint.parts:PARTS")
     max_consecutive_failures: int = opt(2, "saves in a row that may fail for environmental reasons (disk full, "
-                                           "I/O, permission) before the run stops with exit code 3")
-    write_threads: int = opt(2, "threads per rank writing checkpoint files")
+                                           "I/O, permission) before the run stops with exit code 3", bounds=NON_NEGATIVE)
+    write_threads: int = opt(2, "threads per rank writing checkpoint files", bounds=Bounds(1, 64))
     initial_load_path: str = opt("", "Hugging Face Llama folder (safetensors) to start from when the run "
                                      "has no checkpoint yet (fine-tuning)")
     last_save_model_only: bool = opt(False, "the final save holds only the model weights (in export_dtype)")
@@ -192,9 +225,9 @@ class FP8:
     recipe: str = opt("delayed", "delayed, current, block, mxfp8 or nvfp4 (the last two need Blackwell)",
                       choices=("delayed", "current", "block", "mxfp8", "nvfp4"))
     fp8_format: str = opt("HYBRID", "HYBRID (E4M3 forward, E5M2 gradients) or E4M3", choices=("HYBRID", "E4M3"))
-    amax_history_len: int = opt(1024, "delayed scaling: amax history length")
+    amax_history_len: int = opt(1024, "delayed scaling: amax history length", bounds=Bounds(1, 2**16))
     amax_compute_algo: str = opt("max", "delayed scaling: max or most_recent", choices=("max", "most_recent"))
-    margin: int = opt(0, "delayed scaling: margin (power of two) for the scaling factor")
+    margin: int = opt(0, "delayed scaling: margin (power of two) for the scaling factor", bounds=Bounds(0, 64))
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
                               "needs an optimizer with FP32 master weights")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
@@ -206,7 +239,7 @@ class FP8:
 class ActivationCheckpoint:
     mode: str = opt("none", "none, full (every block) or every_n (every N-th block)",
                     choices=("none", "full", "every_n"))
-    every_n: int = opt(2, "with mode=every_n: checkpoint one block out of N")
+    every_n: int = opt(2, "with mode=every_n: checkpoint one block out of N", bounds=Bounds(1))
 
 
 @dataclass
@@ -455,14 +488,33 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _custom_import(module: str, where: str) -> None:
+    """Import the user's module; what it raises is the user's to fix: one line naming file and line."""
+    try:
+        importlib.import_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"job.custom_import: {e.filename}:{e.lineno}: SyntaxError: {e.msg} {where}") from None
+    except ImportError as e:
+        raise ConfigError(f"job.custom_import: cannot import '{module}': {e} {where}") from None
+    except Exception as e:  # noqa: BLE001 -- the user's module raised while importing: reported, exit 2
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"job.custom_import: importing '{module}' raised {type(e).__name__}: {e} "
+                          f"({frame.filename}:{frame.lineno}) {where}") from None
+
+
+def _check_job_name(name: str, where: str) -> None:
+    """The run folder must be one folder inside job.dump_folder, never the dump folder or outside it."""
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError(f"job.name = {name!r} must be a plain folder name (no '/', not empty, '.' or '..'): "
+                          f"the run folder is <job.dump_folder>/<job.name> {where}")
+
+
 def validate(cfg: Config, source: str) -> None:
     """Check every value and every combination; all errors surface here, before heavy work."""
     where = f"(in {source} or the command line)"
     if cfg.job.custom_import:
-        try:
-            importlib.import_module(cfg.job.custom_import)
-        except ImportError as e:
-            raise ConfigError(f"job.custom_import: cannot import '{cfg.job.custom_import}': {e} {where}") from None
+        _custom_import(cfg.job.custom_import, where)
+    _check_job_name(cfg.job.name, where)
     for section, cls in sections().items():
         body = getattr(cfg, section)
         for name, f in _fields(cls).items():
@@ -482,45 +534,32 @@ def validate(cfg: Config, source: str) -> None:
     check_hardware(cfg, where)
 
 
-def _positive(key: str, value: int | float, where: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value} {where}")
+def _check_bounds(cfg: Config, where: str) -> None:
+    """Every number within its option's bounds; no float option takes NaN or inf."""
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for name, f in _fields(cls).items():
+            value, b = getattr(body, name), f.metadata.get("bounds")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{name} must be a finite number, got {value} {where}")
+            if b is not None and not b.holds(value):
+                raise ConfigError(f"{section}.{name} must be {b.text()}, got {number(value)} {where}")
 
 
 def _check_values(cfg: Config, where: str) -> None:
     t = cfg.training
-    for key in ("steps", "local_batch_size", "seq_len"):
-        _positive(f"training.{key}", getattr(t, key), where)
-    _positive("training.max_norm", t.max_norm, where, allow_zero=True)
-    _positive("optimizer.lr", cfg.optimizer.lr, where)
-    _positive("optimizer.weight_decay", cfg.optimizer.weight_decay, where, allow_zero=True)
-    _positive("lr_scheduler.warmup_steps", cfg.lr_scheduler.warmup_steps, where, allow_zero=True)
-    if not 0.0 <= cfg.lr_scheduler.min_lr_ratio <= 1.0:
-        raise ConfigError(f"lr_scheduler.min_lr_ratio must be within [0, 1], got {cfg.lr_scheduler.min_lr_ratio} {where}")
-    _positive("metrics.log_freq", cfg.metrics.log_freq, where)
-    _positive("validation.freq", cfg.validation.freq, where)
-    _positive("validation.steps", cfg.validation.steps, where)
-    if not 0.0 < cfg.validation.hold_out_fraction < 1.0:
-        raise ConfigError(f"validation.hold_out_fraction must be within (0, 1), got "
-                          f"{cfg.validation.hold_out_fraction} {where}")
-    _positive("metrics.fp8_stats_freq", cfg.metrics.fp8_stats_freq, where, allow_zero=True)
-    _positive("profiling.profile_start", cfg.profiling.profile_start, where)
-    _positive("profiling.profile_active", cfg.profiling.profile_active, where)
+    _check_bounds(cfg, where)
     for step in cfg.profiling.memory_snapshot_steps:
         if not isinstance(step, int) or step < 1:
             raise ConfigError(f"profiling.memory_snapshot_steps holds step numbers >= 1, got {step!r} {where}")
-    _positive("checkpoint.interval", cfg.checkpoint.interval, where)
-    _positive("parallelism.comm_timeout_s", cfg.parallelism.comm_timeout_s, where)
-    _positive("checkpoint.keep_latest_k", cfg.checkpoint.keep_latest_k, where, allow_zero=True)
-    _positive("data.num_workers", cfg.data.num_workers, where, allow_zero=True)
-    _positive("data.hf_shuffle_buffer", cfg.data.hf_shuffle_buffer, where)
-    _positive("model.n_layers", cfg.model.n_layers, where, allow_zero=True)
-    _positive("fp8.amax_history_len", cfg.fp8.amax_history_len, where)
+    if cfg.fp8.params and not cfg.fp8.enable:
+        raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
+                          f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
     for idx in cfg.fp8.bf16_layers:
         if not isinstance(idx, int):
             raise ConfigError(f"fp8.bf16_layers holds block indices (ints), got {idx!r} {where}")
-    if cfg.activation_checkpoint.mode == "every_n":
-        _positive("activation_checkpoint.every_n", cfg.activation_checkpoint.every_n, where)
 
     from titan_te.models import MODELS
 
@@ -546,9 +585,6 @@ def _check_values(cfg: Config, where: str) -> None:
                "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
         raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
                           f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
-    _positive("checkpoint.max_consecutive_failures", cfg.checkpoint.max_consecutive_failures, where,
-              allow_zero=True)
-    _positive("checkpoint.write_threads", cfg.checkpoint.write_threads, where)
     if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
                           f"{cfg.checkpoint.load_step} {where}")
@@ -601,8 +637,8 @@ def help_text() -> str:
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # JSON's string escapes are TOML's (control characters as \\uXXXX); DEL too
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, float):

@@ -8,6 +8,9 @@ import torch
 FP8_RECIPE_MIN_CC = {"delayed": (8, 9), "current": (8, 9), "block": (9, 0), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 
 
+TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'"
+
+
 def resolve_device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,11 +31,14 @@ def check_hardware(cfg, where: str) -> None:
 
     device = resolve_device(cfg.training.device)
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"training.device = 'cuda' but no CUDA GPU is visible; use --training.device=cpu {where}")
+        raise ConfigError(f"training.device = 'cuda' but no CUDA GPU is visible (a CUDA build of torch and a "
+                          f"driver are needed; FP8 also needs Transformer Engine: {TE_INSTALL}); use "
+                          f"--training.device=cpu {where}")
     backend = resolve_backend(cfg.model.backend, device)
     reason = BACKENDS.get(backend).available()
     if reason:
-        raise ConfigError(f"model.backend = '{backend}' cannot run here: {reason}; "
+        install = f" (install: {TE_INSTALL})" if backend == "te" else ""
+        raise ConfigError(f"model.backend = '{backend}' cannot run here: {reason}{install}; "
                           f"use --model.backend=torch (runs on CPU and GPU) {where}")
     if backend == "te" and device != "cuda":
         raise ConfigError(f"model.backend = 'te' needs training.device = cuda; use --model.backend=torch {where}")

@@ -47,16 +47,23 @@ from titan_te.preemption import PreemptionGuard, preempted
 from titan_te.run_folder import RunFolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
+from titan_te.memory_estimate import check_fits, local_world
 from titan_te.train_utils import clip_grad_norm, set_determinism
 
 logger = logging.getLogger("titan_te")
 IGNORE_INDEX = -100
 
 
+def is_host_oom(err: RuntimeError) -> bool:
+    """torch's CPU allocator failing (it raises a plain RuntimeError)."""
+    return "DefaultCPUAllocator: can't allocate memory" in str(err) or "not enough memory" in str(err)
+
+
 def out_of_memory(step: int, err: Exception, snapshot) -> OutOfMemory:
     where = f"; memory snapshot: {snapshot}" if snapshot else \
         "; --profiling.enable_memory_snapshot=true writes a snapshot of who held the memory"
-    return OutOfMemory(f"out of GPU memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
+    kind = "GPU" if isinstance(err, torch.OutOfMemoryError) else "host"
+    return OutOfMemory(f"out of {kind} memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
                        f"--activation_checkpoint.mode=full, a smaller training.local_batch_size (with "
                        f"training.global_batch_size for the same batch), or more GPUs{where}")
 
@@ -128,6 +135,11 @@ class Trainer:
         spec = MODELS.get(cfg.model.name)
         self.model_args = resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
                                        cfg.model.n_layers)
+        # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
+        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, env.mesh.size(1),
+                   local_world())
+        logger.info(f"building the model ({self.model_args.num_params() / 1e6:,.1f} M parameters) on "
+                    f"{self.device}")
         with torch.device("meta"):
             model = spec.build(self.model_args, self.backend, document_mask=cfg.model.document_mask,
                                fp8=self.fp8 if self.fp8.enabled else None, params_dtype=torch.float32)
@@ -286,6 +298,10 @@ class Trainer:
                 except torch.OutOfMemoryError as e:
                     snap = self.profiler.snapshot(f"oom-step-{step}")
                     raise out_of_memory(step, e, snap) from None
+                except RuntimeError as e:
+                    if not is_host_oom(e):
+                        raise
+                    raise out_of_memory(step, e, None) from None
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
                 self.losses.append(loss)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from titan_te.errors import ConfigError
 from titan_te.models import MODELS, ModelSpec
 
 
@@ -138,6 +139,10 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
     args = FLAVORS[flavor]
     if args.vocab_size == 0:
         args = replace(args, vocab_size=vocab_size)
+    elif vocab_size > args.vocab_size:
+        raise ConfigError(f"the tokenizer has {vocab_size:,} ids (padded), but the {flavor} flavor's embedding and "
+                          f"output head have {args.vocab_size:,} rows; use a tokenizer with at most "
+                          f"{args.vocab_size:,} ids, or the debug flavor (its vocabulary follows the tokenizer)")
     if n_layers:
         args = replace(args, n_layers=n_layers)
     if seq_len > args.max_seq_len:

@@ -5,10 +5,18 @@ from typing import Callable
 from titan_te.registry import Registry
 
 
+def adam_state_bytes(ocfg, low_precision_weights: bool) -> float:
+    """Bytes per parameter of Adam's state: two moments, plus an FP32 master of low-precision weights."""
+    moments = 2 * (2 if ocfg.moment_dtype == "bfloat16" else 4)
+    return moments + (4 if ocfg.master_weights and low_precision_weights else 0)
+
+
 @dataclass
 class OptimizerSpec:
     name: str
     build: Callable  # build(named_params, optimizer_cfg, device_type) -> torch.optim.Optimizer
+    # state_bytes(optimizer_cfg, low_precision_weights) -> optimizer-state bytes per parameter (memory estimate)
+    state_bytes: Callable = adam_state_bytes
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")

@@ -13,4 +13,5 @@ def build_adamw(named_params, ocfg, device_type: str) -> torch.optim.Optimizer:
                              betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel)
 
 
-OPTIMIZERS.register("adamw")(OptimizerSpec(name="adamw", build=build_adamw))
+OPTIMIZERS.register("adamw")(OptimizerSpec(name="adamw", build=build_adamw,
+                                              state_bytes=lambda ocfg, low_precision: 8.0))  # 2 FP32 moments
