@@ -15,6 +15,7 @@ save is in flight at a time, so the kept buffers are never written while a save 
 from __future__ import annotations
 
 import copy
+import warnings
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,6 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
+
+
+# Copying TE's FP8 tensors to the CPU (empty_like / _to_copy) makes TE warn on stderr that the result
+# "may not" be an FP8 tensor "for FSDP2". The copies are for DCP, not FSDP, and are read back bit-exact
+# (the GPU acceptance test), so the warning would only break the one-line stderr contract.
+warnings.filterwarnings("ignore", message=r"A function call\(aten\.(empty_like|_to_copy)\.default\) in <class "
+                                          r"'transformer_engine\.", category=UserWarning)
 
 
 class Stager:
