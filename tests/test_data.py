@@ -204,7 +204,7 @@ def test_truncated_shard_is_refused_before_training(tmp_path):
     path = tmp_path / "s/train-00000.bin"
     path.write_bytes(path.read_bytes()[:500])
     _assert_config_error(_train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 's'}"),
-                         "train-00000.bin: expected 2000 bytes", "truncated")
+                         "train-00000.bin: expected 2,000 bytes", "truncated")
 
 
 def test_validation_loss_is_logged_and_reaches_tensorboard(tmp_path):
@@ -279,3 +279,48 @@ def test_hf_stream_bad_input_is_one_clear_error(tmp_path):
                "--training.steps=3", "--data.num_workers=1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step      3" in r.stdout and "epoch" in r.stdout
+
+
+def test_prepare_refuses_a_used_folder_and_overwrite_replaces_exactly_its_shards(tmp_path, capsys):
+    from titan_te.data import DATASETS, TOKENIZERS
+    from titan_te.data.prepare import main as prepare_main
+
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "shards"
+    assert prepare_main([f"--input={corpus}", f"--output={out}", "--workers=1", "--shard_tokens=40",
+                         "--val_fraction=0.25"]) == 0
+    first = sorted(p.name for p in out.iterdir())
+    assert len([n for n in first if n.startswith("train-") and n.endswith(".json")]) > 1 and "val-00000.bin" in first
+    (out / "notes.txt").write_text("mine")
+    single = tmp_path / "one.txt"
+    single.write_text(DOCS[0])
+    capsys.readouterr()
+    assert prepare_main([f"--input={single}", f"--output={out}", "--workers=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"prepare error: --output {out} is not empty") and "--overwrite" in err
+    assert sorted(p.name for p in out.iterdir()) == sorted(first + ["notes.txt"])  # nothing touched
+    assert prepare_main([f"--input={single}", f"--output={out}", "--workers=1", "--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["notes.txt", "prepare.json", "train-00000.bin", "train-00000.idx.npy", "train-00000.json"]
+    tok = TOKENIZERS.get("byte")(dcfg())
+    source = DATASETS.get("tokens")(dcfg(dataset="tokens", path=str(out)), tok)
+    assert source.validation is None  # the old val shard is gone, not silently used
+    assert sum(len(s) for s in source.shards) == len(tok.encode(DOCS[0])) + 2
+    # a shard of another prepare run copied in is refused, not read
+    (out / "train-00007.json").write_text((out / "train-00000.json").read_text())
+    (out / "train-00007.bin").write_bytes((out / "train-00000.bin").read_bytes())
+    with pytest.raises(Exception, match="holds train-00007 that its prepare.json does not list"):
+        DATASETS.get("tokens")(dcfg(dataset="tokens", path=str(out)), tok)
+
+
+def test_embedded_corpus_walks_only_the_standard_library_and_skips_vanished_files(tmp_path, monkeypatch):
+    from titan_te.data import embedded
+
+    for rel in ("a.py", "pkg/b.py", "site-packages/x/c.py", "test/d.py", "dist-packages/e.py", "pkg/f.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in embedded.stdlib_files(tmp_path)] == ["a.py", "pkg/b.py"]
+    listed = embedded.stdlib_files(tmp_path) + [tmp_path / "gone.py"]  # removed after the walk
+    monkeypatch.setattr(embedded, "stdlib_files", lambda root: listed)
+    monkeypatch.setattr(embedded.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert list(embedded.stdlib_documents()) == ["# a.py\n", "# pkg/b.py\n"]

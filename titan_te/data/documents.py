@@ -51,6 +51,15 @@ def _text_of(record, field: str, where: str) -> str:
     return text
 
 
+def _loads(text: str, where: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not a JSON record ({e.msg})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
+
+
 def _jsonl(path: Path, field: str) -> Iterator[str]:
     offset = 0
     with path.open("rb") as f:
@@ -60,11 +69,7 @@ def _jsonl(path: Path, field: str) -> Iterator[str]:
             offset += len(raw)
             if not line:
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not a JSON record ({e.msg})") from None
-            yield _text_of(record, field, where)
+            yield _text_of(_loads(line, where), field, where)
 
 
 def _json(path: Path, field: str) -> Iterator[str]:
@@ -74,6 +79,8 @@ def _json(path: Path, field: str) -> Iterator[str]:
     except json.JSONDecodeError:
         yield from _jsonl(path, field)  # JSON Lines saved as .json
         return
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read") from None
     records = data if isinstance(data, list) else [data]
     for i, record in enumerate(records):
         yield _text_of(record, field, f"{path} record {i}")
@@ -90,6 +97,9 @@ def _parquet(path: Path, field: str) -> Iterator[str]:
         raise DataError(f"{path}: not a parquet file ({type(e).__name__})") from None
     if field not in pf.schema_arrow.names:
         raise DataError(f"{path}: no column '{field}' (columns: {', '.join(pf.schema_arrow.names)}; set data.text_field)")
+    kind = pf.schema_arrow.field(field).type
+    if str(kind) not in ("string", "large_string", "string_view"):
+        raise DataError(f"{path}: column '{field}' holds {kind}, not text (set data.text_field)")
     for batch in pf.iter_batches(columns=[field]):
         for text in batch.column(0).to_pylist():
             if text:

@@ -99,8 +99,11 @@ class HFSequences(IterableDataset):
                 i += 1
 
     def _tokens(self, text) -> np.ndarray:
-        if not isinstance(text, str) or not text:
+        if text is None or text == "":
             return np.zeros(0, np.int32)
+        if not isinstance(text, str):  # as the files dataset: a column of other values is a mistake
+            raise DataError(f"{self.dcfg.path}: field '{self.dcfg.text_field}' is {type(text).__name__}, not text "
+                            f"(set data.text_field)")
         return frame_document(self.tokenizer.encode(text), self.tokenizer)
 
     def __iter__(self):

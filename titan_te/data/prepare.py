@@ -22,7 +22,7 @@ import numpy as np
 
 from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.data.errors import DataError
-from titan_te.data.shards import ShardWriter
+from titan_te.data.shards import ShardWriter, shard_files, write_manifest
 from titan_te.data.token_source import frame_document
 
 
@@ -102,10 +102,29 @@ def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def _prepare_output(output: Path, overwrite: bool) -> None:
+    """An empty output folder; --overwrite removes the files of an earlier prepare run (and only those)."""
+    if output.exists() and not output.is_dir():
+        raise DataError(f"--output {output} is a file, not a folder")
+    if output.is_dir() and any(output.iterdir()):
+        ours = shard_files(output)
+        if not overwrite:
+            raise DataError(f"--output {output} is not empty ({len(ours)} shard file(s) of an earlier prepare run, "
+                            f"{len(list(output.iterdir())) - len(ours)} other); add --overwrite to replace the shards, "
+                            f"or choose an empty folder")
+        for p in ours:
+            p.unlink()
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--output {output} cannot be created ({e.strerror})") from None
+
+
 def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, val_fraction: float = 0.0,
             text_field: str = "text", shard_tokens: int = 100_000_000, batch_docs: int = 64,
-            hf_subset: str | None = None, hf_split: str = "train") -> dict:
+            hf_subset: str | None = None, hf_split: str = "train", overwrite: bool = False) -> dict:
     """Tokenize `inputs` into shards under `output`; returns the counts per split."""
+    _prepare_output(Path(output), overwrite)
     tok = build_tokenizer(targs)
     if inputs.startswith("hf:"):
         docs, total_bytes = hf_documents(inputs[3:], hf_subset, hf_split, text_field), None
@@ -147,6 +166,9 @@ def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, v
     progress.update(n_tokens, n_docs, done_bytes, final=True)
     if n_docs == 0:
         raise DataError(f"--input {inputs}: no documents found")
+    write_manifest(output, {split: w.index for split, w in writers.items()},
+                   {"input": inputs, "tokenizer": targs.tokenizer, "vocab_size": tok.vocab_size,
+                    "documents": n_docs, "tokens": n_tokens})
     return {split: {"documents": w.total_docs, "tokens": w.total_tokens, "shards": w.index}
             for split, w in writers.items()}
 
@@ -161,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 1))
     ap.add_argument("--val_fraction", type=float, default=0.0, help="share of documents held out for validation")
     ap.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard file")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the shards of an earlier prepare run in --output (other files are kept)")
     ap.add_argument("--hf_subset", default=None)
     ap.add_argument("--hf_split", default="train")
     a = ap.parse_args(argv)
@@ -170,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         counts = prepare(a.input, Path(a.output), TokenizerArgs(a.tokenizer, a.tokenizer_path), a.workers,
-                         a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split)
+                         a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split,
+                         overwrite=a.overwrite)
     except DataError as e:
         print(f"\nprepare error: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ Shards are read through numpy.memmap, so opening a corpus of any size costs no m
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,9 @@ from titan_te.data.token_source import TokenSource
 
 FORMAT = "titan_te.tokens/1"
 SPLITS = ("train", "val")
+
+
+SHARD_DTYPES = ("uint16", "uint32")  # unsigned ids only: what prepare writes
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -73,14 +77,56 @@ def _read_sidecar(path: Path) -> dict:
         side = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: not a token-shard sidecar ({type(e).__name__}: {e})") from None
-    if side.get("format") != FORMAT:
-        raise DataError(f"{path}: not a titan_te token shard (format {side.get('format')!r}, expected {FORMAT})")
+    if not isinstance(side, dict) or side.get("format") != FORMAT:
+        got = side.get("format") if isinstance(side, dict) else f"a JSON {type(side).__name__}"
+        raise DataError(f"{path}: not a titan_te token shard (format {got!r}, expected {FORMAT})")
+    if side.get("dtype") not in SHARD_DTYPES:
+        raise DataError(f"{path}: dtype {side.get('dtype')!r} is not a token dtype (one of "
+                        f"{', '.join(SHARD_DTYPES)}); prepare the shards again")
+    for key in ("vocab_size", "num_tokens"):
+        if not isinstance(side.get(key), int) or isinstance(side.get(key), bool) or side[key] < 0:
+            raise DataError(f"{path}: {key} is {side.get(key)!r}, not a count; prepare the shards again")
     return side
 
 
+MANIFEST = "prepare.json"  # the shards of one prepare run, written after all of them
+SHARD_FILE = re.compile(r"^(train|val)-\d{5}\.(bin|json|idx\.npy)$")
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The files a prepare run writes (shards, sidecars, indexes, the manifest) in `folder`."""
+    return sorted(p for p in Path(folder).iterdir() if SHARD_FILE.match(p.name) or p.name == MANIFEST)
+
+
+def write_manifest(folder: Path, splits: dict[str, int], info: dict) -> None:
+    listing = {split: [f"{split}-{i:05d}" for i in range(n)] for split, n in splits.items()}
+    (Path(folder) / MANIFEST).write_text(json.dumps({"format": FORMAT, "shards": listing, **info}, indent=1) + "\n")
+
+
+def _listed(folder: Path, split: str) -> list[str] | None:
+    """The shard stems of `split` the folder's manifest names (None: a folder from before manifests)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return list(data["shards"].get(split, []))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(f"{path}: not a prepare manifest ({type(e).__name__}); prepare the shards again") from None
+
+
 def open_shards(folder: Path, split: str, tokenizer) -> TokenSource | None:
-    """The `split` shards of `folder` as one source (None when there are none)."""
+    """The `split` shards of `folder` as one source (None when there are none). With a manifest, exactly
+    the shards it lists: a shard another prepare run left behind is an error, never read silently."""
     sides = sorted(folder.glob(f"{split}-*.json"))
+    listed = _listed(folder, split)
+    if listed is not None:
+        found = [p.stem for p in sides]
+        extra, missing = sorted(set(found) - set(listed)), sorted(set(listed) - set(found))
+        if extra or missing:
+            what = (f"holds {', '.join(extra[:3])} that its {MANIFEST} does not list (left by an earlier prepare "
+                    f"run?)" if extra else f"lacks {', '.join(missing[:3])} that its {MANIFEST} lists")
+            raise DataError(f"data.path: {folder} {what}; prepare into an empty folder, or again with --overwrite")
     if not sides:
         return None
     arrays, names = [], []
@@ -95,7 +141,7 @@ def open_shards(folder: Path, split: str, tokenizer) -> TokenSource | None:
         expected = side["num_tokens"] * dtype.itemsize
         if not bin_path.is_file() or bin_path.stat().st_size != expected:
             size = bin_path.stat().st_size if bin_path.is_file() else "missing"
-            raise DataError(f"{bin_path}: expected {expected} bytes for {side['num_tokens']} tokens, found {size}; "
+            raise DataError(f"{bin_path}: expected {expected:,} bytes for {side['num_tokens']:,} tokens, found {size}; "
                             f"the shard is truncated or incomplete (prepare it again)")
         if side["num_tokens"]:
             arrays.append(np.memmap(bin_path, dtype=dtype, mode="r"))

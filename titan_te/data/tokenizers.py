@@ -67,10 +67,16 @@ class HFTokenizer:
         if not cfg.is_file():
             return None
         try:
-            value = json.loads(cfg.read_text(encoding="utf-8")).get(key)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{cfg} is not valid JSON: {e}") from None
-        return value.get("content") if isinstance(value, dict) else value
+        if not isinstance(data, dict):
+            raise DataError(f"{cfg} holds a JSON {type(data).__name__}, not an object of tokenizer settings")
+        value = data.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{cfg}: {key} is {type(value).__name__} {value!r}, not a token string")
+        return value
 
     def _special(self, configured: str | None, candidates, what: str) -> int:
         for token in ([configured] if configured else []) + list(candidates):
