@@ -1,6 +1,6 @@
 """Export a DCP checkpoint as a Hugging Face Llama folder (safetensors + config.json).
 
-    python -m titan_te.export --checkpoint outputs/debug/checkpoint/step-200 --out hf_out [--dtype bfloat16]
+    python -m titan_te.export --checkpoint outputs/debug/checkpoint/step-200 --out hf_out [--dtype float32]
 
 Runs in one process without a process group. Prefers the optimizer's FP32 master weights where the
 checkpoint holds them (FP8 / BF16 weights with masters), else the model weights.
@@ -17,8 +17,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_te import config as config_mod
+from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
+from titan_te.data import TOKENIZERS
+from titan_te.errors import UserError
 from titan_te.hf_io import hf_config, save_hf_folder, to_hf
 from titan_te.models.llama import FLAVORS
+
+DEFAULT_DTYPE = config_mod.Checkpoint.export_dtype  # one default for both ways of exporting
 
 
 def read_full_model(ckpt: Path) -> tuple[dict, int]:
@@ -49,34 +54,77 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def model_args_for(ckpt: Path, state: dict):
-    run_cfg = ckpt.parent.parent / "config.toml"
-    if not run_cfg.is_file():
-        raise SystemExit(f"export: {run_cfg} not found (the run folder's resolved config names the flavor)")
-    cfg = config_mod.build(config_mod.load_toml(str(run_cfg)), [], str(run_cfg))
+def run_config(ckpt: Path) -> tuple[config_mod.Config, Path]:
+    """The resolved config of the run that wrote `ckpt` (its manifest names the run folder)."""
+    manifest = Manifest.read(ckpt)
+    candidates = ([Path(manifest.run_folder) / "config.toml"] if manifest and manifest.run_folder else []) + \
+        [ckpt.parent.parent / "config.toml"]
+    for path in candidates:
+        if path.is_file():
+            return config_mod.build(config_mod.load_toml(str(path)), [], str(path)), path
+    raise ExportError(f"no config.toml of the run that wrote {ckpt} (looked at {', '.join(map(str, candidates))}); "
+                      f"it names the model flavor")
+
+
+def model_args_for(cfg: config_mod.Config, state: dict):
+    if cfg.model.flavor not in FLAVORS:
+        raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a llama3 flavor")
     args = FLAVORS[cfg.model.flavor]
-    n_layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers."))
-    return replace(args, vocab_size=state["tok_embeddings.weight"].shape[0], n_layers=n_layers,
+    layers = [int(k.split(".")[1]) for k in state if k.startswith("layers.")]
+    if "tok_embeddings.weight" not in state or not layers:
+        raise ExportError("the checkpoint holds no Llama model weights")
+    return replace(args, vocab_size=state["tok_embeddings.weight"].shape[0], n_layers=1 + max(layers),
                    max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+
+
+class ExportError(Exception):
+    """A mistake in the export's input: one line, exit code 2."""
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    for folder in (path, path / "checkpoint"):
+        steps = complete_steps(folder)
+        if steps:
+            return f"{path} is not a checkpoint; the newest complete one under it is {step_dir(folder, steps[-1])}"
+    return f"{path} is not a complete DCP checkpoint (no .metadata)"
+
+
+def export(ckpt: Path, out: Path, dtype_name: str) -> str:
+    if not (ckpt / ".metadata").is_file():
+        raise ExportError(_not_a_checkpoint(ckpt))
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file, not a folder")
+    try:
+        state, from_masters = read_full_model(ckpt)
+    except Exception as e:  # noqa: BLE001 -- damaged DCP files: whatever unpickling / reading raises, one line
+        raise ExportError(f"{ckpt} is corrupt or unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+    cfg, _ = run_config(ckpt)
+    args = model_args_for(cfg, state)
+    tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
+    dtype = getattr(torch, dtype_name)
+    hf = {k: v.to(dtype) for k, v in to_hf(state, args).items()}
+    config = {**hf_config(args, dtype_name), "bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id)}
+    save_hf_folder(hf, config, out)
+    return (f"exported {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:,.1f} M parameters, "
+            f"{from_masters} from FP32 master weights) as {dtype_name} to {out}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m titan_te.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a DCP folder: <run>/checkpoint/step-<N>")
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["float32", "bfloat16", "float16"],
+                    help=f"dtype of the exported weights (default: %(default)s, as checkpoint.export_dtype)")
     a = ap.parse_args(argv)
-    ckpt = Path(a.checkpoint)
-    if not (ckpt / ".metadata").is_file():
-        print(f"export error: {ckpt} is not a complete DCP checkpoint (no .metadata)", file=sys.stderr)
+    try:
+        print(export(Path(a.checkpoint), Path(a.out), a.dtype))
+    except (ExportError, UserError) as e:
+        print(f"export error: {e.msg if isinstance(e, UserError) else e}", file=sys.stderr)
         return 2
-    state, from_masters = read_full_model(ckpt)
-    args = model_args_for(ckpt, state)
-    dtype = getattr(torch, a.dtype)
-    hf = {k: v.to(dtype) for k, v in to_hf(state, args).items()}
-    save_hf_folder(hf, hf_config(args, a.dtype), Path(a.out))
-    print(f"exported {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:,.1f} M parameters, "
-          f"{from_masters} from FP32 master weights) as {a.dtype} to {a.out}")
+    except OSError as e:
+        print(f"export error: {e.filename or a.out}: {e.strerror}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from safetensors import SafetensorError
+
 from titan_te.init_weights import local_shard
 
 SHARD_BYTES = 5 * 2**30
@@ -129,7 +131,10 @@ def read_hf_folder(folder: Path) -> dict:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = json.loads(index.read_text()).get("weight_map") if index.stat().st_size else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map of tensor name -> file")
+        files = sorted(set(weight_map.values()))
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -154,7 +159,7 @@ def load_hf_weights(model, folder: str, write=None) -> None:
                               f"({len(extra)}, e.g. {', '.join(extra[:3])}): it has {len(layers)} layers, the "
                               f"model {model.args.n_layers}; set --model.n_layers (and the flavor) to match it")
         sd = from_hf(hf, model.args)
-    except (FileNotFoundError, KeyError, RuntimeError) as e:
+    except (OSError, KeyError, RuntimeError, ValueError, AttributeError, SafetensorError) as e:
         raise ConfigError(f"checkpoint.initial_load_path = {folder}: not a Llama safetensors folder matching "
                           f"this model ({type(e).__name__}: {e})") from None
     for name, p in model.named_parameters():

@@ -42,7 +42,7 @@ from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dist import init_distributed, on_rank0
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
-from titan_te.errors import OutOfMemory, UserError
+from titan_te.errors import ConfigError, OutOfMemory, UserError
 from titan_te.preemption import PreemptionGuard, preempted
 from titan_te.run_folder import RunFolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
@@ -181,7 +181,7 @@ class Trainer:
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype))
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
-        self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps)
+        self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder)
         # A background save copies the weights while the next forward/backward runs; they must not
         # change before the copy is complete.
         self.optimizer.register_step_pre_hook(self.checkpointer.before_optimizer_step)
@@ -214,8 +214,12 @@ class Trainer:
                 "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights}}
 
     def _write_resolved_config(self) -> None:
-        self.run_folder.mkdir(parents=True, exist_ok=True)
-        (self.run_folder / "config.toml").write_text(config_mod.to_toml(self.cfg))
+        path = self.run_folder / "config.toml"
+        try:
+            path.write_text(config_mod.to_toml(self.cfg))
+        except OSError as e:  # a full or read-only disk: the run could not write its logs or checkpoints either
+            raise ConfigError(f"run folder {self.run_folder}: cannot write {path.name} ({e.strerror or e}); free "
+                              f"space there or choose another --job.dump_folder") from None
 
     def _log_summary(self) -> None:
         a, t, p = self.model_args, self.cfg.training, self.cfg.parallelism

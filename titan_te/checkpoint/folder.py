@@ -40,6 +40,7 @@ class Manifest:
     model_only: bool = False
     format: int = FORMAT
     saved_at: float = 0.0
+    run_folder: str = ""  # where the run's config.toml is (export reads it)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -51,7 +52,8 @@ class Manifest:
             data = json.loads((folder / MANIFEST).read_text())
             m = cls(**{k: data[k] for k in ("step", "lineage", "parts", "dp_world")},
                     facts=dict(data.get("facts", {})), model_only=bool(data.get("model_only", False)),
-                    format=int(data.get("format", FORMAT)), saved_at=float(data.get("saved_at", 0.0)))
+                    format=int(data.get("format", FORMAT)), saved_at=float(data.get("saved_at", 0.0)),
+                    run_folder=str(data.get("run_folder", "")))
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if not isinstance(m.step, int) or not isinstance(m.lineage, str) or not isinstance(m.parts, list):

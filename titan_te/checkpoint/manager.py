@@ -40,8 +40,10 @@ class SaveRecord:
 
 
 class CheckpointManager:
-    def __init__(self, ckcfg, folder: Path, parts: dict[str, Part], env, facts: dict, total_steps: int):
+    def __init__(self, ckcfg, folder: Path, parts: dict[str, Part], env, facts: dict, total_steps: int,
+                 run_folder: Path | None = None):
         self.cfg, self.enabled = ckcfg, ckcfg.enable
+        self.run_folder = str(Path(run_folder).resolve()) if run_folder else ""
         self.folder = Path(folder)
         self.parts, self.env, self.facts = parts, env, facts
         self.rank, self.total_steps = env.rank, total_steps
@@ -289,7 +291,7 @@ class CheckpointManager:
     def _publish(self, step: int, tmp: Path, model_only: bool, t0: float, background: bool) -> None:
         manifest = fs.Manifest(step=step, lineage=self.lineage, parts=["model"] if model_only else list(self.parts),
                                dp_world=self.env.dp_world, facts=self.facts, model_only=model_only,
-                               saved_at=time.time())
+                               saved_at=time.time(), run_folder=self.run_folder)
         final = fs.step_dir(self.folder, step)
 
         def publish():
