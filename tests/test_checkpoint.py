@@ -2,6 +2,7 @@
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -431,3 +432,15 @@ def test_a_checkpoint_of_another_shape_names_what_differs_and_no_older_step_with
     msg = _refused(tmp_path, 12, model={"n_layers": 2})
     assert "the checkpoint holds model tensors this run does not have: layers.2.*, layers.3.*" in msg, msg
     assert sorted(p.name for p in ck.iterdir()) == ["step-10", "step-5"]
+
+
+def test_summaries_name_the_data_and_split_this_process_from_the_run(tmp_path):
+    _go(tmp_path, 4)
+    _go(tmp_path, 6, validation={"enable": True, "freq": 100})
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert re.search(r"data: dataset embedded \(embedded:stdlib\), tokenizer byte \(vocab [\d,]+\): 1 shard\(s\), "
+                     r"[\d,]+ tokens; validation: off", log)
+    assert "validation: held-out 1.0% of the training tokens (1 shard(s), " in log
+    done = [line for line in log.splitlines() if "done: " in line]
+    assert "done: step 4 of 4, 512 tokens in the whole run; this process: 4 steps, 512 tokens" in done[0]
+    assert "done: step 6 of 6, 768 tokens in the whole run; this process: 2 steps, 256 tokens" in done[1]

@@ -123,3 +123,13 @@ def test_fuse_wgrad_accumulation_with_fsdp_explains_the_bypassed_reduce_scatter(
     r = train("--model.fuse_wgrad_accumulation=true", "--parallelism.data_parallel=fsdp")
     assert r.returncode == 2 and r.stderr.startswith("config error: model.fuse_wgrad_accumulation")
     assert "reduce-scatters" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_with_a_config_file_shows_its_values_beside_the_defaults(capsys):
+    from titan_te.main import main
+
+    assert main(["--config", "llama3_1b_fp8", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert '--model.flavor (str, default "debug", llama3_1b_fp8: "1B")' in out
+    assert "--training.steps (int, default 200, llama3_1b_fp8: 1000)" in out
+    assert "--training.seed (int, default 0)\n" in out  # the same as the default: shown once

@@ -16,4 +16,4 @@ def test_default_run_trains_and_loss_falls(tmp_path):
     first, last = steps[0][1], steps[-1][1]
     assert last < 0.7 * first, steps  # at least 30% lower
     run = tmp_path / "debug"
-    assert (run / "config.toml").is_file() and "done: 200 steps" in r.stdout
+    assert (run / "config.toml").is_file() and "done: step 200 of 200" in r.stdout

@@ -560,3 +560,12 @@ def test_case_count():
          len(CHECKPOINT_CASES) + 1 + 3 + 3 + 1 + 4 + 6 + 1 + len(LAUNCHER))
     assert n >= 100, n
     print(f"{n} hostile cases")
+
+
+def test_log_rank_naming_no_rank_still_prints(capsys, tmp_path, monkeypatch):
+    from titan_te.main import main
+
+    monkeypatch.setenv("LOG_RANK", "5")
+    assert main([*SMALL, f"--job.dump_folder={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "LOG_RANK=5 names no rank of this run (1 process(es)); rank 0 prints" in out and "training from step" in out

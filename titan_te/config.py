@@ -617,7 +617,8 @@ def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # Output: --help and the resolved TOML
 # ---------------------------------------------------------------------------------------------
-def help_text() -> str:
+def help_text(cfg: Config | None = None, source: str = "") -> str:
+    """The options with their defaults; with the config of `--config FILE`, also the value it sets."""
     lines = [
         "usage: train.py [--config FILE] [--print-config] [--section.key=value | --section.key value]...",
         "",
@@ -629,7 +630,9 @@ def help_text() -> str:
         for name, f in _fields(cls).items():
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             tp = _type_name(_type_of(cls, name))
-            lines.append(f"  --{section}.{name} ({tp}, default {_toml_value(default)})")
+            value = getattr(getattr(cfg, section), name) if cfg is not None else default
+            here = f", {source}: {_toml_value(value)}" if cfg is not None and value != default else ""
+            lines.append(f"  --{section}.{name} ({tp}, default {_toml_value(default)}{here})")
             lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines) + "\n"
 

@@ -11,10 +11,15 @@ import sys
 
 
 def setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     show = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip().isdigit()}
+    if not any(r < world for r in show):  # e.g. LOG_RANK=5 on one process: never a silent run
+        if rank == 0:
+            print(f"warning: LOG_RANK={os.environ.get('LOG_RANK')} names no rank of this run ({world} "
+                  f"process(es)); rank 0 prints", file=sys.stdout)
+        show = {0}
     handler = logging.StreamHandler(sys.stdout)
-    prefix = f"[rank{rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    prefix = f"[rank{rank}] " if world > 1 else ""
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
     handler.setLevel(logging.INFO if rank in show else logging.WARNING)
     log = logging.getLogger("titan_te")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from titan_te import config as config_mod
 from titan_te.errors import UserError
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.line(), file=sys.stderr)
         return e.exit_code
     if args.help:
-        sys.stdout.write(config_mod.help_text())
+        sys.stdout.write(config_mod.help_text(cfg if args.config_file else None, Path(args.config_file or "").name))
         return 0
     if args.print_config:
         sys.stdout.write(config_mod.to_toml(cfg))

@@ -54,6 +54,25 @@ logger = logging.getLogger("titan_te")
 IGNORE_INDEX = -100
 
 
+def _describe_data(cfg, source, val_source, tokenizer) -> str:
+    """The start-up line naming what the run trains and validates on."""
+    d = cfg.data
+
+    def size(src) -> str:
+        shards = getattr(src, "shards", None)
+        return f"{len(shards)} shard(s), {src.num_tokens:,} tokens" if shards is not None else "streamed"
+
+    path = f", path {d.path}" if d.path else ""
+    if val_source is None:
+        val = "off"
+    elif getattr(source, "validation", None) is val_source:
+        val = f"the dataset's own split ({size(val_source)})"
+    else:
+        val = f"held-out {cfg.validation.hold_out_fraction:.1%} of the training tokens ({size(val_source)})"
+    return (f"data: dataset {d.dataset}{path} ({getattr(source, 'name', d.dataset)}), tokenizer {d.tokenizer} "
+            f"(vocab {tokenizer.vocab_size:,}): {size(source)}; validation: {val}")
+
+
 def is_host_oom(err: RuntimeError) -> bool:
     """torch's CPU allocator failing (it raises a plain RuntimeError)."""
     return "DefaultCPUAllocator: can't allocate memory" in str(err) or "not enough memory" in str(err)
@@ -124,6 +143,7 @@ class Trainer:
             val_source = source.validation
             if val_source is None:
                 source, val_source = source.split(cfg.validation.hold_out_fraction)
+        self._data_line = _describe_data(cfg, source, val_source, self.tokenizer)
         self.dataloader = build_dataloader(source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
                                            t.seed, cfg.data.shuffle, cfg.data.num_workers,
                                            pin_memory=device_type == "cuda")
@@ -232,7 +252,12 @@ class Trainer:
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
                     f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
                     f"{self.model_args.flops_per_token(t.seq_len) * self.tokens_per_step / 1e12:,.2f} TFLOP per step")
+        logger.info(self._data_line)
         logger.info(f"fp8: {fp8}; MFU is measured against the dense bf16 peak; run folder {self.run_folder}")
+        warmup = self.cfg.lr_scheduler.warmup_steps
+        if warmup >= t.steps:
+            logger.warning(f"lr_scheduler.warmup_steps = {warmup} is not shorter than training.steps = {t.steps}: "
+                           f"the learning rate never reaches optimizer.lr")
 
     def _next_microbatches(self):
         batches = [next(self._data_iter) for _ in range(self.grad_accum)]
@@ -344,10 +369,11 @@ class Trainer:
         saved = complete_steps(ck.folder) if ck.enabled else []
         where = f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else "no checkpoints"
         tb = f"TensorBoard: tensorboard --logdir {m.tb_folder}" if m.writer is not None else "TensorBoard off"
-        logger.info(f"done: {self.state.step} steps, {self.state.tokens_seen:,} tokens, "
-                    f"{time.perf_counter() - m.started:.1f}s wall, "
-                    f"{m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} GiB; "
-                    f"{where}; {tb}")
+        wall = time.perf_counter() - m.started
+        logger.info(f"done: step {self.state.step} of {self.cfg.training.steps}, {self.state.tokens_seen:,} tokens in "
+                    f"the whole run; this process: {m.steps_done} steps, {m.steps_done * self.tokens_per_step:,} "
+                    f"tokens, {wall:.1f}s wall, {m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, "
+                    f"peak memory {active:.2f} GiB; {where}; {tb}")
 
     def close(self) -> None:
         try:
