@@ -1,6 +1,9 @@
+import pytest
+
 import torch
 import torch.nn.functional as F
 
+from helpers import make_cfg, run_ranks
 from titan_te.init_weights import init_weights
 from titan_te.models.llama import FLAVORS, Llama, resolve_args, rope_angles
 from titan_te.layers.torch_block import TorchBlock, apply_rope
@@ -125,3 +128,44 @@ def test_llama3_rope_scaling_slows_low_frequencies():
     plain = rope_angles(a.__class__(**{**a.__dict__, "rope_scaling_factor": 1.0}), 2)[1, 0, 0]
     assert torch.allclose(scaled[0], plain[0])  # highest frequency unchanged
     assert torch.allclose(scaled[a.head_dim // 2 - 1], plain[a.head_dim // 2 - 1] / 8)  # lowest divided by 8
+
+
+def _tiny(rank, world, tmp, until):
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, job={"custom_import": "tiny_lm"}, model={"name": "tiny_lm", "flavor": "tiny"},
+                   training={"steps": 6, "deterministic": True, "global_batch_size": 4},
+                   lr_scheduler={"warmup_steps": 2},
+                   checkpoint={"enable": True, "interval": 3})
+    with Trainer(cfg) as tr:
+        start = tr.state.step
+        return start, tr.train(until_step=until), type(tr.model).__name__
+
+
+def test_a_second_model_family_from_custom_import_trains_checkpoints_and_resumes(tmp_path):
+    """The model seam: a registered non-Llama model with flavors of its own, through the whole path."""
+    ref = run_ranks(_tiny, 1, str(tmp_path / "ref"), None)[0]
+    first = run_ranks(_tiny, 2, str(tmp_path / "run"), 3)[0]  # stops after step 3, as a crash would
+    second = run_ranks(_tiny, 2, str(tmp_path / "run"), None)[0]
+    assert ref[2] == "FSDPTinyLM" and first[0] == 0 and second[0] == 3
+    assert ref[1][-1] < ref[1][0]
+    resumed = first[1] + second[1]
+    assert resumed == pytest.approx(ref[1], rel=1e-5)  # 2 ranks, resumed, vs 1 rank uninterrupted
+
+
+def test_a_second_model_family_keeps_its_own_flavors():
+    from helpers import make_cfg as cfg_of
+
+    from titan_te.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.flavor = 'debug' is not a flavor of tiny_lm.*valid: tiny"):
+        cfg_of("/tmp/unused", job={"custom_import": "tiny_lm"}, model={"name": "tiny_lm", "flavor": "debug"})
+
+
+def test_export_of_a_model_without_a_hugging_face_adapter_is_one_clear_line(tmp_path, capsys):
+    from titan_te.export import main as export_main
+
+    run_ranks(_tiny, 1, str(tmp_path), 3)
+    assert export_main(["--checkpoint", str(tmp_path / "t/checkpoint/step-3"), "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.strip() == ("export error: model tiny_lm has no Hugging Face adapter "
+                                               "(ModelSpec.hf), so it cannot be exported")

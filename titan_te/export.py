@@ -8,6 +8,7 @@ checkpoint holds them (FP8 / BF16 weights with masters), else the model weights.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +21,9 @@ from titan_te import config as config_mod
 from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
 from titan_te.errors import UserError
-from titan_te.hf_io import hf_config, save_hf_folder, to_hf
-from titan_te.models.llama import FLAVORS
+from titan_te.hf_io import save_hf_folder
+from titan_te.models import MODELS
+from titan_te.registry import RegistryError
 
 DEFAULT_DTYPE = config_mod.Checkpoint.export_dtype  # one default for both ways of exporting
 
@@ -66,10 +68,23 @@ def run_config(ckpt: Path) -> tuple[config_mod.Config, Path]:
                       f"it names the model flavor")
 
 
-def model_args_for(cfg: config_mod.Config, state: dict):
-    if cfg.model.flavor not in FLAVORS:
-        raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a llama3 flavor")
-    args = FLAVORS[cfg.model.flavor]
+def model_spec(cfg: config_mod.Config):
+    """The run's ModelSpec (importing its job.custom_import first); it must offer an HF adapter."""
+    try:
+        if cfg.job.custom_import:
+            importlib.import_module(cfg.job.custom_import)
+        spec = MODELS.get(cfg.model.name)
+    except (ImportError, RegistryError) as e:
+        raise ExportError(f"model {cfg.model.name!r} of the run is not available here ({e})") from None
+    if spec.hf is None:
+        raise ExportError(f"model {spec.name} has no Hugging Face adapter (ModelSpec.hf), so it cannot be exported")
+    return spec
+
+
+def model_args_for(cfg: config_mod.Config, state: dict, flavors: dict):
+    if cfg.model.flavor not in flavors:
+        raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a flavor of {cfg.model.name}")
+    args = flavors[cfg.model.flavor]
     layers = [int(k.split(".")[1]) for k in state if k.startswith("layers.")]
     if "tok_embeddings.weight" not in state or not layers:
         raise ExportError("the checkpoint holds no Llama model weights")
@@ -100,11 +115,13 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
         raise ExportError(f"{ckpt} is corrupt or unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
             from None
     cfg, _ = run_config(ckpt)
-    args = model_args_for(cfg, state)
+    spec = model_spec(cfg)
+    hf_io = importlib.import_module(spec.hf)
+    args = model_args_for(cfg, state, spec.flavors)
     tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
     dtype = getattr(torch, dtype_name)
-    hf = {k: v.to(dtype) for k, v in to_hf(state, args).items()}
-    config = {**hf_config(args, dtype_name), "bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id)}
+    hf = {k: v.to(dtype) for k, v in hf_io.to_hf(state, args).items()}
+    config = {**hf_io.hf_config(args, dtype_name), "bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id)}
     save_hf_folder(hf, config, out)
     return (f"exported {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:,.1f} M parameters, "
             f"{from_masters} from FP32 master weights) as {dtype_name} to {out}")

@@ -47,6 +47,8 @@ def draw(rule: tuple[str, float], shape, generator: torch.Generator, device) -> 
     kind, std = rule
     if kind == "ones":
         return torch.ones(shape, device=device)
+    if kind == "zeros":
+        return torch.zeros(shape, device=device)
     t = torch.empty(shape, device=device)
     if kind == "normal":
         return t.normal_(0.0, std, generator=generator)

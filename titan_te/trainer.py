@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import time
 import traceback
@@ -35,7 +36,6 @@ from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
 from titan_te.metrics import MetricsLogger, StepStats, memory_gib
 from titan_te.models import MODELS
-from titan_te.models.llama import resolve_args
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS
@@ -153,8 +153,8 @@ class Trainer:
         logger.info(f"layer backend: {self.backend} (model.backend = {cfg.model.backend})")
         self.fp8 = FP8Context(cfg.fp8, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         spec = MODELS.get(cfg.model.name)
-        self.model_args = resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
-                                       cfg.model.n_layers)
+        self.model_args = spec.resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
+                                            cfg.model.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
         check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, env.mesh.size(1),
                    local_world())
@@ -207,9 +207,10 @@ class Trainer:
         self.optimizer.register_step_pre_hook(self.checkpointer.before_optimizer_step)
         resumed = self.checkpointer.resume()
         if not resumed and cfg.checkpoint.initial_load_path:
-            from titan_te.hf_io import load_hf_weights
-
-            load_hf_weights(model, cfg.checkpoint.initial_load_path, backend_spec.write)
+            if spec.hf is None:
+                raise ConfigError(f"checkpoint.initial_load_path: model {spec.name} has no Hugging Face adapter")
+            importlib.import_module(spec.hf).load_hf_weights(model, cfg.checkpoint.initial_load_path,
+                                                             backend_spec.write)
             logger.info(f"initial weights from {cfg.checkpoint.initial_load_path}")
 
         # 8. metrics

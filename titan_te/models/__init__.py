@@ -1,15 +1,48 @@
-"""Model registry: each entry is a ModelSpec (flavors + a builder)."""
+"""Model registry: each entry is a ModelSpec, the whole contract between a model family and the trainer.
+
+A family registers (usually from a module named by `job.custom_import`):
+- `flavors`: flavor name -> args; the args answer `num_params()`, `flops_per_token(seq_len)` and carry
+  `n_layers`, `dim`, `vocab_size` (checkpoint facts and the start-up summary);
+- `resolve_args(flavor, vocab_size, seq_len, n_layers)`: the args of one run (the tokenizer's padded
+  vocabulary, the sequence length, an optional block-count override);
+- `build(args, backend, document_mask=, fp8=, params_dtype=)`: the module, called under the meta
+  device; it follows `Model` below;
+- `hf`: an optional Hugging Face adapter (export and `checkpoint.initial_load_path`); None: not offered.
+"""
+from __future__ import annotations
+
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn as nn
 
 from titan_te.registry import Registry
+
+
+class Model(Protocol):
+    """What the trainer, FSDP wrapping, activation checkpointing and init ask of a model."""
+
+    args: Any
+    layers: nn.ModuleDict  # the repeated blocks: each its own FSDP unit and checkpointing unit
+
+    def init_rule(self, name: str) -> tuple[str, float]:
+        """("normal" | "trunc_normal" | "ones" | "zeros", std) for the parameter `name`."""
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Fill non-persistent buffers (e.g. RoPE tables) after the parameters are materialized."""
+
+    def __call__(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, seq] token ids -> [batch, seq, vocab] logits."""
 
 
 @dataclass
 class ModelSpec:
     name: str
     flavors: dict[str, Any]  # flavor name -> model args dataclass
-    build: Callable[..., Any]  # build(args, backend_name) -> nn.Module (call under the meta device)
+    build: Callable[..., Any]  # build(args, backend_name, **kw) -> nn.Module (call under the meta device)
+    resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
+    hf: Any = None  # module or object with to_hf / load_hf_weights / hf_config; None: no HF export or import
 
 
 MODELS: Registry[ModelSpec] = Registry("model")

@@ -150,4 +150,5 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
     return args
 
 
-MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama))
+MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
+                                    hf="titan_te.hf_io"))
