@@ -106,7 +106,7 @@ CLI = [
     ("--activation_checkpoint.mode=some", "activation_checkpoint.mode = 'some' is not one of"),
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),
     ("--data.num_workers=-1", "data.num_workers must be within [0, 256]"),
-    ("--training.device=cuda", "no CUDA GPU is visible"),
+    ("--training.device=cuda", "pip install --no-build-isolation 'transformer_engine[pytorch]'"),
     ("--model.backend=te", "model.backend = 'te'"),
     ("--fp8.enable=true", "fp8.enable = true needs model.backend = 'te'"),
     ("--config", "--config needs"),

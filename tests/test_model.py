@@ -169,3 +169,12 @@ def test_export_of_a_model_without_a_hugging_face_adapter_is_one_clear_line(tmp_
     assert export_main(["--checkpoint", str(tmp_path / "t/checkpoint/step-3"), "--out", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err.strip() == ("export error: model tiny_lm has no Hugging Face adapter "
                                                "(ModelSpec.hf), so it cannot be exported")
+
+
+def test_flavors_with_a_fixed_vocabulary_refuse_a_bigger_tokenizer():
+    from titan_te.errors import ConfigError
+
+    assert resolve_args("1B", 258, 128).vocab_size == 128_256  # the byte tokenizer keeps Llama 3's head
+    with pytest.raises(ConfigError, match="the tokenizer has 200,064 ids .* the 1B flavor's embedding and output "
+                                          "head have 128,256 rows"):
+        resolve_args("1B", 200_064, 128)

@@ -6,6 +6,7 @@ exit code 1.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -40,18 +41,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging()
     from titan_te.parallel.dist import shutdown
+
+    clean = False  # an unexpected crash skips the exit barrier
+    try:
+        code, line, clean = _train(cfg)
+        if line:
+            print(line, file=sys.stderr)
+    finally:
+        shutdown(clean)
+        # The Trainer sits in reference cycles (hooks, handlers) holding the checkpoint's gloo groups.
+        # Freed here, their C++ threads stop while Python is fully alive; left to the interpreter's
+        # final collection they can abort the process ("terminate called without an active exception",
+        # see pytorch/pytorch#179291).
+        gc.collect()
+    return code
+
+
+def _train(cfg) -> tuple[int, str | None, bool]:
+    """(exit code, the one line for stderr, whether every rank got here in step)."""
     from titan_te.trainer import Trainer
 
-    clean = False  # every rank got here in step: an unexpected crash skips the exit barrier
     try:
         with Trainer(cfg) as trainer:
             trainer.train()
-        clean = True
     except UserError as e:
-        clean = e.exit_code != 4  # after an out-of-memory the ranks may be out of step
-        line = _own_message(e)
-        print(line, file=sys.stderr)
-        return e.exit_code
-    finally:
-        shutdown(clean)
-    return 0
+        return e.exit_code, _own_message(e), e.exit_code != 4  # after an out-of-memory ranks may be out of step
+    return 0, None, True
