@@ -1,0 +1,61 @@
+"""Options that change training without changing the answer, or change it in a known way."""
+import math
+
+import pytest
+import torch
+
+from helpers import make_cfg, run_ranks
+
+
+def test_lr_schedule_values_at_chosen_steps():
+    from titan_te.optim.lr_schedule import lr_factor
+
+    # warmup 4 of 20 steps, cosine down to 0.1
+    assert [lr_factor(s, 20, 4, "cosine", 0.1) for s in (1, 4)] == [1 / 5, 4 / 5]
+    assert lr_factor(5, 20, 4, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 16)))
+    assert lr_factor(12, 20, 4, "cosine", 0.1) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_factor(20, 20, 4, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(12, 20, 4, "linear", 0.0) == pytest.approx(0.5)
+    assert lr_factor(30, 20, 4, "linear", 0.2) == pytest.approx(0.2)  # past the end: stays at the minimum
+    assert lr_factor(9, 20, 4, "constant", 0.1) == 1.0
+
+
+def test_max_norm_clips_the_update_to_the_threshold():
+    from titan_te.train_utils import clip_grad_norm
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0, 0.0])
+    assert clip_grad_norm(params, 0.0) == pytest.approx(5.0)  # 0: reported, not clipped
+    assert torch.equal(params[1].grad, torch.tensor([0.0, 4.0, 0.0, 0.0]))
+    assert clip_grad_norm(params, 1.0) == pytest.approx(5.0)  # the norm before clipping
+    total = torch.cat([p.grad for p in params]).norm().item()
+    assert total == pytest.approx(1.0, rel=1e-5) and params[0].grad[0].item() == pytest.approx(0.6, rel=1e-5)
+
+
+def _losses(rank, world, tmp, sections):
+    from titan_te.trainer import Trainer
+
+    base = {"training": {"steps": 4, "deterministic": True}}
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    with Trainer(make_cfg(tmp, world=world, **base)) as tr:
+        return tr.train()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return run_ranks(_losses, 1, str(tmp_path_factory.mktemp("plain")), {})[0]
+
+
+@pytest.mark.parametrize("sections", [
+    {"activation_checkpoint": {"mode": "full"}},
+    {"activation_checkpoint": {"mode": "every_n", "every_n": 2}},
+    {"parallelism": {"reshard_after_forward": False}},
+], ids=["ac-full", "ac-every-2", "no-reshard-after-forward"])
+def test_memory_options_keep_the_losses(sections, plain, tmp_path):
+    assert run_ranks(_losses, 1, str(tmp_path), sections)[0] == pytest.approx(plain, rel=1e-6)
+
+
+def test_a_tighter_max_norm_changes_the_losses(plain, tmp_path):
+    clipped = run_ranks(_losses, 1, str(tmp_path), {"training": {"max_norm": 0.01}})[0]
+    assert clipped[0] == plain[0] and clipped[1:] != pytest.approx(plain[1:], rel=1e-4)
