@@ -133,3 +133,12 @@ def test_help_with_a_config_file_shows_its_values_beside_the_defaults(capsys):
     assert '--model.flavor (str, default "debug", llama3_1b_fp8: "1B")' in out
     assert "--training.steps (int, default 200, llama3_1b_fp8: 1000)" in out
     assert "--training.seed (int, default 0)\n" in out  # the same as the default: shown once
+
+
+def test_help_lists_the_registered_names(capsys):
+    from titan_te.main import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "registered: block, current, delayed, mxfp8, nvfp4" in out
+    assert "registered: ddp, fsdp, hsdp, none" in out and "registered: adamw, fused_adam, te_fused_adam" in out

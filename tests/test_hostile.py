@@ -76,7 +76,7 @@ CLI = [
     ("--model.name=gpt", "unknown model"),
     ("--model.flavor=huge", "model.flavor = 'huge' is not a flavor of llama3"),
     ("--model.backend=tee", "(did you mean 'te'?)"),
-    ("--fp8.recipe=delay", "fp8.recipe = 'delay' is not one of"),
+    ("--fp8.recipe=delay", "unknown fp8 recipe 'delay' (did you mean 'delayed'?)"),
     ("--data.dataset=web", "unknown dataset 'web'"),
     ("--data.tokenizer=bpe", "unknown tokenizer 'bpe'"),
     ("--checkpoint.async_mode=yes", "checkpoint.async_mode = 'yes' is not one of"),

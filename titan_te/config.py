@@ -223,7 +223,7 @@ class Checkpoint:
 class FP8:
     enable: bool = opt(False, "run linear layers in FP8 (te backend, needs an sm_89+ GPU)")
     recipe: str = opt("delayed", "delayed, current, block, mxfp8 or nvfp4 (the last two need Blackwell)",
-                      choices=("delayed", "current", "block", "mxfp8", "nvfp4"))
+                      registry="titan_te.fp8:RECIPES")
     fp8_format: str = opt("HYBRID", "HYBRID (E4M3 forward, E5M2 gradients) or E4M3", choices=("HYBRID", "E4M3"))
     amax_history_len: int = opt(1024, "delayed scaling: amax history length", bounds=Bounds(1, 2**16))
     amax_compute_algo: str = opt("max", "delayed scaling: max or most_recent", choices=("max", "most_recent"))
@@ -581,7 +581,7 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.model.fuse_wgrad_accumulation:
         why = ("TE then writes each weight gradient into param.main_grad instead of param.grad, so FSDP2 never "
                "reduce-scatters it and every rank would step on its own unreduced gradient"
-               if p.data_parallel in ("fsdp", "hsdp") else
+               if _registry("titan_te.parallel:PARALLELISMS").get(p.data_parallel).reduces_grads_itself else
                "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
         raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
                           f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
@@ -606,11 +606,15 @@ def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:
     if rep * shard != world:
         raise ConfigError(f"parallelism: replicate x shard degree = {rep} x {shard} must equal the world size "
                           f"{world} {where}")
-    if p.data_parallel == "none" and world > 1:
-        raise ConfigError(f"parallelism.data_parallel = 'none' runs on one process, but the world size is {world}"
-                          f"; use fsdp, hsdp or ddp {where}")
-    if p.data_parallel != "hsdp" and rep > 1:
-        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {rep} needs data_parallel = 'hsdp' {where}")
+    registry = _registry("titan_te.parallel:PARALLELISMS")
+    spec = registry.get(p.data_parallel)
+    if not spec.multi_process and world > 1:
+        multi = ", ".join(n for n in registry.names() if registry.get(n).multi_process)
+        raise ConfigError(f"parallelism.data_parallel = '{p.data_parallel}' runs on one process, but the world size "
+                          f"is {world}; use {multi} {where}")
+    if not spec.replicates and rep > 1:
+        takes = " or ".join(f"'{n}'" for n in registry.names() if registry.get(n).replicates)
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {rep} needs data_parallel = {takes} {where}")
     return rep, shard
 
 
@@ -634,6 +638,8 @@ def help_text(cfg: Config | None = None, source: str = "") -> str:
             here = f", {source}: {_toml_value(value)}" if cfg is not None and value != default else ""
             lines.append(f"  --{section}.{name} ({tp}, default {_toml_value(default)}{here})")
             lines.append(f"      {f.metadata['doc']}")
+            if f.metadata.get("registry"):  # what is registered now, custom imports included
+                lines.append(f"      registered: {', '.join(_registry(f.metadata['registry']).names())}")
     return "\n".join(lines) + "\n"
 
 

@@ -7,9 +7,28 @@ from __future__ import annotations
 
 import contextlib
 
+from dataclasses import dataclass
+from typing import Callable
+
 from titan_te.registry import Registry
 
-RECIPES: Registry = Registry("fp8 recipe")  # name -> build(fp8_cfg) -> te recipe object
+
+@dataclass
+class RecipeSpec:
+    name: str
+    build: Callable  # build(fp8_cfg) -> a TE recipe object
+    min_compute_capability: tuple[int, int]  # Hopper (9, 0) runs delayed/current/block; MX/NV FP4 need Blackwell
+
+
+RECIPES: Registry[RecipeSpec] = Registry("fp8 recipe")
+
+
+def recipe(name: str, min_cc: tuple[int, int]):
+    def add(build):
+        RECIPES.register(name)(RecipeSpec(name, build, min_cc))
+        return build
+
+    return add
 
 
 def _format(fcfg):
@@ -18,7 +37,7 @@ def _format(fcfg):
     return getattr(Format, fcfg.fp8_format)
 
 
-@RECIPES.register("delayed")
+@recipe("delayed", (8, 9))
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 
@@ -26,28 +45,28 @@ def _delayed(fcfg):
                           amax_compute_algo=fcfg.amax_compute_algo, margin=fcfg.margin)
 
 
-@RECIPES.register("current")
+@recipe("current", (8, 9))
 def _current(fcfg):
     from transformer_engine.common.recipe import Float8CurrentScaling
 
     return Float8CurrentScaling(fp8_format=_format(fcfg))
 
 
-@RECIPES.register("block")
+@recipe("block", (9, 0))
 def _block(fcfg):
     from transformer_engine.common.recipe import Float8BlockScaling
 
     return Float8BlockScaling(fp8_format=_format(fcfg))
 
 
-@RECIPES.register("mxfp8")
+@recipe("mxfp8", (10, 0))
 def _mxfp8(fcfg):
     from transformer_engine.common.recipe import MXFP8BlockScaling
 
     return MXFP8BlockScaling(fp8_format=_format(fcfg))
 
 
-@RECIPES.register("nvfp4")
+@recipe("nvfp4", (10, 0))
 def _nvfp4(fcfg):
     from transformer_engine.common.recipe import NVFP4BlockScaling
 
@@ -60,7 +79,7 @@ class FP8Context:
     def __init__(self, fcfg, amax_group=None):
         self.cfg = fcfg
         self.enabled = fcfg.enable
-        self.recipe = RECIPES.get(fcfg.recipe)(fcfg) if fcfg.enable else None
+        self.recipe = RECIPES.get(fcfg.recipe).build(fcfg) if fcfg.enable else None
         self.amax_group = amax_group
 
     def model_init(self):

@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import torch
 
-# FP8 recipe -> minimum CUDA compute capability. Hopper (sm_90) runs delayed/current/block scaling;
-# MXFP8 and NVFP4 need Blackwell (sm_100).
-FP8_RECIPE_MIN_CC = {"delayed": (8, 9), "current": (8, 9), "block": (9, 0), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 
 
-TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]'"
 
 
 def resolve_device(choice: str) -> str:
@@ -30,26 +26,33 @@ def check_hardware(cfg, where: str) -> None:
     from titan_te.layers import BACKENDS
 
     device = resolve_device(cfg.training.device)
+    fp8_backends = [n for n in BACKENDS.names() if BACKENDS.get(n).fp8]
     if device == "cuda" and not torch.cuda.is_available():
+        installs = "; ".join(f"{n}: {BACKENDS.get(n).install}" for n in fp8_backends if BACKENDS.get(n).install)
         raise ConfigError(f"training.device = 'cuda' but no CUDA GPU is visible (a CUDA build of torch and a "
-                          f"driver are needed; FP8 also needs Transformer Engine: {TE_INSTALL}); use "
-                          f"--training.device=cpu {where}")
+                          f"driver are needed; FP8 also needs {installs}); use --training.device=cpu {where}")
     backend = resolve_backend(cfg.model.backend, device)
-    reason = BACKENDS.get(backend).available()
+    spec = BACKENDS.get(backend)
+    portable = ", ".join(f"--model.backend={n}" for n in BACKENDS.names() if not BACKENDS.get(n).needs_cuda)
+    reason = spec.available()
     if reason:
-        install = f" (install: {TE_INSTALL})" if backend == "te" else ""
-        raise ConfigError(f"model.backend = '{backend}' cannot run here: {reason}{install}; "
-                          f"use --model.backend=torch (runs on CPU and GPU) {where}")
-    if backend == "te" and device != "cuda":
-        raise ConfigError(f"model.backend = 'te' needs training.device = cuda; use --model.backend=torch {where}")
+        install = f" (install: {spec.install})" if spec.install else ""
+        raise ConfigError(f"model.backend = '{backend}' cannot run here: {reason}{install}; use {portable} "
+                          f"(runs on CPU and GPU) {where}")
+    if spec.needs_cuda and device != "cuda":
+        raise ConfigError(f"model.backend = '{backend}' needs training.device = cuda; use {portable} {where}")
     if not cfg.fp8.enable:
         return
-    if backend != "te":
-        raise ConfigError(f"fp8.enable = true needs model.backend = 'te' (Transformer Engine on a CUDA GPU); "
-                          f"this run uses '{backend}'. Use --fp8.enable=false to train in bf16/fp32 {where}")
-    need = FP8_RECIPE_MIN_CC[cfg.fp8.recipe]
+    if not spec.fp8:
+        raise ConfigError(f"fp8.enable = true needs model.backend = {' or '.join(repr(n) for n in fp8_backends)} "
+                          f"(Transformer Engine on a CUDA GPU); this run uses '{backend}'. Use --fp8.enable=false to "
+                          f"train in bf16/fp32 {where}")
+    from titan_te.fp8 import RECIPES
+
+    need = RECIPES.get(cfg.fp8.recipe).min_compute_capability
     have = torch.cuda.get_device_capability()
     if have < need:
+        here = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).min_compute_capability <= have)
         raise ConfigError(f"fp8.recipe = '{cfg.fp8.recipe}' needs compute capability {need[0]}.{need[1]}+ "
                           f"(this GPU is {have[0]}.{have[1]}, {torch.cuda.get_device_name()}); "
-                          f"on Hopper use delayed, current or block {where}")
+                          f"this GPU runs {here or 'none of them'} {where}")

@@ -185,7 +185,7 @@ class Trainer:
                 model.to_empty(device=self.device)
         write = backend_spec.write
         if write is not None and cfg.fp8.enable and cfg.fp8.params and cfg.fp8.preserve_high_precision_init \
-                and cfg.optimizer.name == "fused_adam":  # the optimizer that takes these copies
+                and OPTIMIZERS.get(cfg.optimizer.name).takes_high_precision_init:
             write = functools.partial(write, keep_high_precision=True)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)

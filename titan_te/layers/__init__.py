@@ -15,6 +15,10 @@ class BackendSpec:
     # document_mask(doc_start [batch, seq] bool) -> what the blocks take as `mask` so that attention
     # stays inside each packed document (model.document_mask)
     document_mask: Callable | None = None
+    needs_cuda: bool = False  # runs only with training.device = cuda
+    fp8: bool = False  # runs linear layers in FP8 (fp8.enable)
+    install: str = ""  # how to install what `available()` misses
+    compiles_blocks: bool = True  # torch.compile can trace its blocks (else only the final norm is compiled)
 
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")

@@ -129,4 +129,6 @@ def te_document_mask(doc_start: torch.Tensor) -> dict:
 
 
 BACKENDS.register("te")(BackendSpec(name="te", block=te_block, available=te_unavailable_reason,
-                                    materialize=te_materialize, write=te_write, document_mask=te_document_mask))
+                                    materialize=te_materialize, write=te_write, document_mask=te_document_mask,
+                                    needs_cuda=True, fp8=True, compiles_blocks=False,
+                                    install="pip install --no-build-isolation 'transformer_engine[pytorch]'"))

@@ -17,6 +17,8 @@ class OptimizerSpec:
     build: Callable  # build(named_params, optimizer_cfg, device_type) -> torch.optim.Optimizer
     # state_bytes(optimizer_cfg, low_precision_weights) -> optimizer-state bytes per parameter (memory estimate)
     state_bytes: Callable = adam_state_bytes
+    # seeds its FP32 masters from the pre-quantization init values (fp8.preserve_high_precision_init)
+    takes_high_precision_init: bool = False
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")

@@ -348,4 +348,5 @@ def build_fused_adam(named_params, ocfg, device_type: str) -> FusedAdam:
                      use_te_kernels=None if device_type == "cuda" else False)
 
 
-OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam))
+OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam,
+                                                  takes_high_precision_init=True))

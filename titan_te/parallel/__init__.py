@@ -11,6 +11,9 @@ class ParallelSpec:
     # apply(model, dist_env, parallelism_cfg, mp_policy_dtypes) -> model, called on the meta model
     apply: Callable
     casts_params: bool = False  # True when it applies the mixed-precision policy itself (FSDP2)
+    multi_process: bool = True  # False: runs on one process only
+    replicates: bool = False  # takes data_parallel_replicate_degree > 1 (a 2-D replicate x shard mesh)
+    reduces_grads_itself: bool = False  # reduce-scatters param.grad in its own hooks (FSDP2)
 
 
 PARALLELISMS: Registry[ParallelSpec] = Registry("data parallelism")

@@ -55,9 +55,11 @@ def apply_none(model, env, pcfg, mp):
     return model
 
 
-for _name, _fn, _casts in [("fsdp", apply_fsdp, True), ("hsdp", apply_hsdp, True), ("ddp", apply_ddp, False),
-                           ("none", apply_none, False)]:
-    PARALLELISMS.register(_name)(ParallelSpec(name=_name, apply=_fn, casts_params=_casts))
+PARALLELISMS.register("fsdp")(ParallelSpec("fsdp", apply_fsdp, casts_params=True, reduces_grads_itself=True))
+PARALLELISMS.register("hsdp")(ParallelSpec("hsdp", apply_hsdp, casts_params=True, reduces_grads_itself=True,
+                                           replicates=True))
+PARALLELISMS.register("ddp")(ParallelSpec("ddp", apply_ddp))
+PARALLELISMS.register("none")(ParallelSpec("none", apply_none, multi_process=False))
 
 
 def mixed_precision(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:

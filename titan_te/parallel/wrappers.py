@@ -26,8 +26,10 @@ def apply_activation_checkpoint(model, acfg) -> None:
 
 def apply_compile(model, backend: str) -> None:
     """torch.compile each block in place (names unchanged). TE blocks stay eager."""
-    if backend == "te":
-        logger.info("compile: TE blocks stay eager; compiling the final norm only")
+    from titan_te.layers import BACKENDS
+
+    if not BACKENDS.get(backend).compiles_blocks:
+        logger.info(f"compile: {backend} blocks stay eager; compiling the final norm only")
         if isinstance(getattr(model, "norm", None), torch.nn.Module):
             model.norm.compile()
         return
