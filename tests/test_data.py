@@ -276,9 +276,11 @@ def test_hf_stream_bad_input_is_one_clear_error(tmp_path):
                "--validation.enable=true")
     _assert_config_error(r, "a streamed dataset has no held-out part")
     r = _train(tmp_path, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
-               "--training.steps=3", "--data.num_workers=1")
+               "--training.steps=3", "--data.num_workers=1", "--metrics.log_freq=1")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "step      3" in r.stdout and "epoch" in r.stdout
+    logged = re.findall(r"step\s+(\d+)\s+loss\s+([0-9.]+).*\sepoch (\d+)", r.stdout)
+    assert [int(s) for s, _, _ in logged] == [1, 2, 3], r.stdout[-2000:]  # a worker process streamed every step
+    assert all(0 < float(loss) < 10 for _, loss, _ in logged) and {e for _, _, e in logged} == {"0"}
 
 
 def test_prepare_refuses_a_used_folder_and_overwrite_replaces_exactly_its_shards(tmp_path, capsys):

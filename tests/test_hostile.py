@@ -10,7 +10,6 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 SMALL = ["--training.seq_len=32", "--training.local_batch_size=2", "--metrics.enable_tensorboard=false",
@@ -338,7 +337,7 @@ def test_prepare_mistakes(capsys, tmp_path):
     _prepare([f"--input={deep}", f"--output={tmp_path / 'o1'}", "--workers=1"], capsys, "nested too deeply")
     _prepare([f"--input={tmp_path / 'none'}", f"--output={tmp_path / 'o2'}", "--workers=1"], capsys, "no such file")
     _prepare([f"--input={src}", f"--output={tmp_path / 'o3'}", "--val_fraction=nan"], capsys, "--val_fraction")
-    _prepare([f"--input={src}", f"--output=/proc/titan_te_out", "--workers=1"], capsys, "cannot be created")
+    _prepare([f"--input={src}", "--output=/proc/titan_te_out", "--workers=1"], capsys, "cannot be created")
 
 
 # --- checkpoints --------------------------------------------------------------------------------------

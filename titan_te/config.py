@@ -11,13 +11,11 @@ import importlib
 import json
 import math
 import os
-import sys
 import traceback
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 try:
     import tomllib
@@ -666,5 +664,3 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(out)
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)

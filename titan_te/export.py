@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="a DCP folder: <run>/checkpoint/step-<N>")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["float32", "bfloat16", "float16"],
-                    help=f"dtype of the exported weights (default: %(default)s, as checkpoint.export_dtype)")
+                    help="dtype of the exported weights (default: %(default)s, as checkpoint.export_dtype)")
     a = ap.parse_args(argv)
     try:
         print(export(Path(a.checkpoint), Path(a.out), a.dtype))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,7 +50,6 @@ class StepStats:
     step_time: float
     data_time: float
     epoch: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class MetricsLogger:
@@ -98,7 +97,6 @@ class MetricsLogger:
             "memory/max_reserved(GiB)": reserved,
             "time/step_s": self._window_time / max(self._window_steps, 1),
             "time/data_loading(%)": 100.0 * self._window_data / max(self._window_time, 1e-9),
-            **s.extra,
         }
         if self.peak:
             values["mfu(%)"] = 100.0 * tflops * 1e12 / self.peak

@@ -246,6 +246,8 @@ class Trainer:
         a, t, p = self.model_args, self.cfg.training, self.cfg.parallelism
         n = a.num_params()
         fp8 = f"on ({self.cfg.fp8.recipe})" if self.cfg.fp8.enable else "off"
+        if self.cfg.job.description:
+            logger.info(f"job {self.cfg.job.name}: {self.cfg.job.description}")
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {n / 1e6:,.1f} M parameters, "
                     f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
         logger.info(f"parallel: {p.data_parallel} on {self.env.world_size} rank(s) "

@@ -153,7 +153,7 @@ class CheckpointManager:
         if newer and not self.cfg.replace_newer:
             names = ", ".join(f"step-{s}" for s in newer)
             why = (f"it resumes from step-{step} with training.steps counting from {start}" if restores else
-                   f"checkpoint.exclude_from_loading has train_state, so this run counts its steps from 1 again")
+                   "checkpoint.exclude_from_loading has train_state, so this run counts its steps from 1 again")
             plan["error"] = (f"{self.folder} holds {names}, which later saves of this run would replace: {why}. "
                              f"To keep them use another --job.name or --checkpoint.folder (or drop the option "
                              f"that causes this); to train on anyway add --checkpoint.replace_newer=true, which "
