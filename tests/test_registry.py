@@ -27,14 +27,24 @@ def test_double_registration_is_refused():
         reg.register("a")(2)
 
 
-def test_all_component_registries_are_populated():
-    from titan_te.data import DATASETS, TOKENIZERS
+def test_every_registry_entry_answers_for_its_name_and_capabilities():
+    from titan_te.fp8 import RECIPES
     from titan_te.layers import BACKENDS
     from titan_te.models import MODELS
     from titan_te.optim import LR_DECAYS, OPTIMIZERS
     from titan_te.parallel import PARALLELISMS
 
-    assert "llama3" in MODELS and {"torch", "te"} <= set(BACKENDS)
-    assert {"fsdp", "hsdp", "ddp", "none"} <= set(PARALLELISMS)
-    assert "adamw" in OPTIMIZERS and {"cosine", "linear", "constant"} <= set(LR_DECAYS)
-    assert "embedded" in DATASETS and "byte" in TOKENIZERS
+    for reg in (MODELS, BACKENDS, PARALLELISMS, OPTIMIZERS, RECIPES):
+        assert reg.names() and all(reg.get(n).name == n for n in reg.names()), reg.kind
+    assert {n: (s.multi_process, s.replicates, s.reduces_grads_itself) for n, s in
+            ((n, PARALLELISMS.get(n)) for n in PARALLELISMS.names())} == {
+        "ddp": (True, False, False), "fsdp": (True, False, True), "hsdp": (True, True, True), "none": (False, False, False)}
+    te, torch_ = BACKENDS.get("te"), BACKENDS.get("torch")
+    assert (te.needs_cuda, te.fp8, te.compiles_blocks) == (True, True, False) and "transformer_engine" in te.install
+    assert (torch_.needs_cuda, torch_.fp8, torch_.available()) == (False, False, "")
+    assert [RECIPES.get(n).min_compute_capability for n in ("delayed", "block", "mxfp8")] == [(8, 9), (9, 0), (10, 0)]
+    low = type("O", (), {"moment_dtype": "bfloat16", "master_weights": True})()
+    assert OPTIMIZERS.get("fused_adam").state_bytes(low, True) == 8 and OPTIMIZERS.get("adamw").state_bytes(low, True) == 8
+    assert [LR_DECAYS.get(n)(0.5) for n in ("cosine", "linear", "constant")] == [0.5, 0.5, 1.0]
+    args = MODELS.get("llama3").resolve_args("debug", 320, 64, 2)
+    assert (args.vocab_size, args.n_layers) == (320, 2)
