@@ -6,7 +6,6 @@ exit code 1.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import sys
 from pathlib import Path
@@ -48,12 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if line:
             print(line, file=sys.stderr)
     finally:
-        shutdown(clean)
-        # The Trainer sits in reference cycles (hooks, handlers) holding the checkpoint's gloo groups.
-        # Freed here, their C++ threads stop while Python is fully alive; left to the interpreter's
-        # final collection they can abort the process ("terminate called without an active exception",
-        # see pytorch/pytorch#179291).
-        gc.collect()
+        shutdown(clean)  # _train has returned: the Trainer is unreachable and freed there
     return code
 
 

@@ -1,6 +1,7 @@
 """Process-group and device-mesh setup (NCCL on CUDA, gloo on CPU)."""
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ def shutdown(clean: bool = True) -> None:
         except RuntimeError:  # DistBackendError & co: a peer already gone, nothing left to wait for
             pass
     dist.destroy_process_group()
+    # A Trainer that failed half-built sits in reference cycles that hold the checkpoint's gloo groups.
+    # Collected now, their C++ threads stop while Python is fully alive; left to the interpreter's final
+    # collection they abort the process: "terminate called without an active exception" (SIGABRT, seen
+    # after a 1-rank resume refused with exit 3; pytorch/pytorch#179291 describes the mechanism).
+    gc.collect()
 
 
 class RankZeroFailed(RuntimeError):
