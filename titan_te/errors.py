@@ -49,6 +49,13 @@ class OutOfMemory(UserError):
     prefix = "out of memory"
 
 
+class ExportError(UserError):
+    """A mistake in the input of `python -m titan_te.export`."""
+
+    exit_code = 2
+    prefix = "export error"
+
+
 class Preempted(UserError):
     """Stopped by SIGTERM / SIGINT after saving; rerunning the same command resumes."""
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_te import config as config_mod
 from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
-from titan_te.errors import UserError
+from titan_te.errors import ExportError, UserError
 from titan_te.hf_io import save_hf_folder
 from titan_te.models import MODELS
 from titan_te.registry import RegistryError
@@ -92,10 +92,6 @@ def model_args_for(cfg: config_mod.Config, state: dict, flavors: dict):
                    max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
 
 
-class ExportError(Exception):
-    """A mistake in the export's input: one line, exit code 2."""
-
-
 def _not_a_checkpoint(path: Path) -> str:
     for folder in (path, path / "checkpoint"):
         steps = complete_steps(folder)
@@ -136,9 +132,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         print(export(Path(a.checkpoint), Path(a.out), a.dtype))
-    except (ExportError, UserError) as e:
-        print(f"export error: {e.msg if isinstance(e, UserError) else e}", file=sys.stderr)
-        return 2
+    except UserError as e:  # the run's config.toml may raise ConfigError: still the export's input
+        print(f"{ExportError.prefix}: {e.msg}", file=sys.stderr)
+        return ExportError.exit_code
     except OSError as e:
         print(f"export error: {e.filename or a.out}: {e.strerror}", file=sys.stderr)
         return 2
