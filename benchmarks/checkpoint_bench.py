@@ -49,7 +49,7 @@ def main() -> int:
     tr._data_iter = iter(tr.dataloader)
 
     def step():
-        tr.train_step(tr._next_microbatches())
+        tr.train_step(tr._next_microbatches()[0])
         if tr.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -12,7 +12,9 @@ them to an optimizer. Each optimizer then takes timed steps (CUDA events, median
          (16 B) + write master, m, v (12 B) + the FP8 weight (1 B) = 29 B/elem; FP32 embeddings 28 B/elem
   fp8bm  the same with bf16 moments (the llama_fp8 preset): 21 B/elem, FP32 embeddings 20 B/elem
 
-Optimizers: adamw (torch, fused=True; fp32 only), te_fused_adam (TE's FusedAdam), fused_adam (ours).
+Optimizers: adamw (torch, fused=True; fp32 only), te_fused_adam (TE's FusedAdam), fused_adam (ours: with bf16
+moments its FP8 weights take one Triton kernel), fused_adam_2pass (ours without Triton: TE's kernel on the masters,
+then a re-quantization pass).
 """
 from __future__ import annotations
 
@@ -78,7 +80,8 @@ def build(name: str, params, kind: str, streams: int = 1):
                            exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
     from titan_te.optim.fused_adam import FusedAdam
 
-    return FusedAdam(params, lr=1e-4, master_weights=True, moment_dtype=moments, streams=streams)
+    return FusedAdam(params, lr=1e-4, master_weights=True, moment_dtype=moments, streams=streams,
+                     triton=name != "fused_adam_2pass")
 
 
 def time_steps(opt, warmup: int, iters: int) -> float:
@@ -103,7 +106,8 @@ def main() -> int:
     ap.add_argument("--kinds", default="fp32,fp8,fp8bm")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--optimizers", default="", help="comma-separated subset of adamw,te_fused_adam,fused_adam")
+    ap.add_argument("--optimizers", default="", help="comma-separated subset of adamw,te_fused_adam,fused_adam,"
+                                                         "fused_adam_2pass")
     ap.add_argument("--streams", type=int, default=2, help="fused_adam: CUDA streams for its kernel launches")
     ap.add_argument("--chunk", type=int, default=0, help="fused_adam: elements per block of TE's kernels "
                                                         "(default: fused_adam.TE_CHUNK)")
@@ -121,7 +125,7 @@ def main() -> int:
     mesh = init_device_mesh("cuda", (1,))
     print(f"{'kind':<5} {'ranks':>5} {'M elems':>9} {'optimizer':<14} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for kind in a.kinds.split(","):
-        names = ["adamw", "te_fused_adam", "fused_adam"] if kind == "fp32" else ["te_fused_adam", "fused_adam"]
+        names = ["adamw", "te_fused_adam", "fused_adam"] if kind == "fp32" else ["te_fused_adam", "fused_adam", "fused_adam_2pass"]
         names = [n for n in names if not a.optimizers or n in a.optimizers.split(",")]
         for ranks in [int(r) for r in a.ranks.split(",")]:
             for name in names:

@@ -147,7 +147,8 @@ def test_a_second_model_family_from_custom_import_trains_checkpoints_and_resumes
     ref = run_ranks(_tiny, 1, str(tmp_path / "ref"), None)[0]
     first = run_ranks(_tiny, 2, str(tmp_path / "run"), 3)[0]  # stops after step 3, as a crash would
     second = run_ranks(_tiny, 2, str(tmp_path / "run"), None)[0]
-    assert ref[2] == "FSDPTinyLM" and first[0] == 0 and second[0] == 3
+    assert ref[2] == "TinyLM" and first[2] == "FSDPTinyLM"  # one rank trains unsharded, two under FSDP2
+    assert first[0] == 0 and second[0] == 3
     assert ref[1][-1] < ref[1][0]
     resumed = first[1] + second[1]
     assert resumed == pytest.approx(ref[1], rel=1e-5)  # 2 ranks, resumed, vs 1 rank uninterrupted

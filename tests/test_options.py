@@ -25,9 +25,9 @@ def test_max_norm_clips_the_update_to_the_threshold():
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0, 0.0])
-    assert clip_grad_norm(params, 0.0) == pytest.approx(5.0)  # 0: reported, not clipped
+    assert clip_grad_norm(params, 0.0).item() == pytest.approx(5.0)  # 0: reported, not clipped
     assert torch.equal(params[1].grad, torch.tensor([0.0, 4.0, 0.0, 0.0]))
-    assert clip_grad_norm(params, 1.0) == pytest.approx(5.0)  # the norm before clipping
+    assert clip_grad_norm(params, 1.0).item() == pytest.approx(5.0)  # the norm before clipping
     total = torch.cat([p.grad for p in params]).norm().item()
     assert total == pytest.approx(1.0, rel=1e-5) and params[0].grad[0].item() == pytest.approx(0.6, rel=1e-5)
 
@@ -50,8 +50,9 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("sections", [
     {"activation_checkpoint": {"mode": "full"}},
     {"activation_checkpoint": {"mode": "every_n", "every_n": 2}},
-    {"parallelism": {"reshard_after_forward": False}},
-], ids=["ac-full", "ac-every-2", "no-reshard-after-forward"])
+    {"parallelism": {"reshard_after_forward": False, "shard_one_rank": True}},
+    {"parallelism": {"shard_one_rank": True}},
+], ids=["ac-full", "ac-every-2", "no-reshard-after-forward", "fsdp-on-one-rank"])
 def test_memory_options_keep_the_losses(sections, plain, tmp_path):
     assert run_ranks(_losses, 1, str(tmp_path), sections)[0] == pytest.approx(plain, rel=1e-6)
 
@@ -59,3 +60,21 @@ def test_memory_options_keep_the_losses(sections, plain, tmp_path):
 def test_a_tighter_max_norm_changes_the_losses(plain, tmp_path):
     clipped = run_ranks(_losses, 1, str(tmp_path), {"training": {"max_norm": 0.01}})[0]
     assert clipped[0] == plain[0] and clipped[1:] != pytest.approx(plain[1:], rel=1e-4)
+
+
+def _parallel_of(rank, world, tmp, sections):
+    from torch.distributed.tensor import DTensor
+
+    from titan_te.trainer import Trainer
+
+    with Trainer(make_cfg(tmp, world=world, **sections)) as tr:
+        return tr.parallel, any(isinstance(p, DTensor) for p in tr.model.parameters())
+
+
+def test_fsdp_on_one_rank_trains_unsharded_unless_asked():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assert run_ranks(_parallel_of, 1, tmp, {})[0] == ("none", False)
+        assert run_ranks(_parallel_of, 1, tmp, {"parallelism": {"shard_one_rank": True}})[0] == ("fsdp", True)
+        assert run_ranks(_parallel_of, 2, tmp, {})[0] == ("fsdp", True)

@@ -98,9 +98,18 @@ def bf16_1b(tmp_path_factory):
     return run_ranks(_train_1b, 1, str(tmp_path_factory.mktemp("bf16")), {})[0]
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
-def test_fp8_tracks_bf16_over_200_steps(recipe, bf16_1b, tmp_path):
-    fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": recipe})[0]
+PRESET_FP8 = {"fp8.params": True, "optimizer.name": "fused_adam", "optimizer.moment_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("recipe,extra", [
+    ("delayed", {}), ("current", {}), ("block", {}),
+    ("delayed", {"fp8.attention": True}),  # FP8 attention (head_dim 64 at the 1B shape)
+    ("delayed", PRESET_FP8),  # the presets: FP8 weights, bf16 moments (the Triton update), fused head
+    ("delayed", {**PRESET_FP8, "parallelism.shard_one_rank": True}),  # the same under FSDP2 (FP8 all-gathers)
+], ids=["delayed", "current", "block", "delayed-fp8-attention", "delayed-preset-optimizer",
+        "delayed-preset-optimizer-fsdp"])
+def test_fp8_tracks_bf16_over_200_steps(recipe, extra, bf16_1b, tmp_path):
+    fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": recipe, **extra})[0]
     end_bf16, end_fp8 = sum(bf16_1b[-10:]) / 10, sum(fp8[-10:]) / 10
     gap = abs(end_fp8 - end_bf16) / end_bf16
     print(f"{recipe}: bf16 {bf16_1b[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
@@ -199,3 +208,50 @@ def test_fp8_amax_and_scale_statistics_reach_tensorboard(tmp_path):
             assert all(e.value > 0 for e in amax)
             # delayed scaling has moved the scales off their initial 1.0 (amax << the FP8 maximum)
             assert scale[-1].value > 1.0
+
+
+def _fp8_params(seed: int):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = []
+    for shape in [(384, 256), (1000, 33), (7, 5)]:  # odd sizes: partial last blocks
+        q = Float8Quantizer(scale=torch.full((1,), 64.0, device="cuda"), amax=torch.zeros(1, device="cuda"),
+                            fp8_dtype=tex.DType.kFloat8E4M3)
+        p = torch.nn.Parameter(q(torch.randn(shape, device="cuda", generator=g) * 0.02))
+        params.append(p)
+    return params
+
+
+def test_triton_fp8_adam_matches_te_update_plus_requantization():
+    """The one-kernel update of FP8 weights with bf16 moments against TE's multi_tensor_adam on the
+    masters followed by quantize_: same masters, moments, FP8 bytes, amax and scale_inv."""
+    from titan_te.optim.fused_adam import FusedAdam
+    from titan_te.optim import triton_adam
+
+    assert triton_adam.available()
+    runs = {}
+    for triton in (True, False):
+        params = _fp8_params(0)
+        opt = FusedAdam(params, lr=1e-3, weight_decay=0.1, moment_dtype=torch.bfloat16, triton=triton)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-2
+                p._quantizer.amax.zero_()  # as the recipe does after each history roll
+            opt.step()
+        assert {b.kind for b in opt._buckets} == {"quantized"}
+        assert opt._fp8_writer([p for p in params]) == ("triton" if triton else None)
+        runs[triton] = [(opt.state[p]["master_param"].clone(), opt.state[p]["exp_avg"].float(),
+                         opt.state[p]["exp_avg_sq"].float(), p._data.clone(), p._quantizer.amax.clone(),
+                         p._scale_inv.clone()) for p in params]
+    for (master, m, v, data, amax, sinv), (rmaster, rm, rv, rdata, ramax, rsinv) in zip(runs[True], runs[False]):
+        torch.testing.assert_close(master, rmaster, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(m, rm, rtol=1e-2, atol=1e-9)  # bf16 storage: one rounding apart at most
+        torch.testing.assert_close(v, rv, rtol=1e-2, atol=1e-12)
+        same = (data == rdata).float().mean().item()
+        print(f"fp8 bytes equal: {same:.5f}, amax {amax.item():.6f} vs {ramax.item():.6f}")
+        assert same > 0.999
+        torch.testing.assert_close(amax, ramax, rtol=1e-6, atol=0)
+        torch.testing.assert_close(sinv, rsinv)

@@ -87,6 +87,8 @@ class Model:
     n_layers: int = opt(0, "override the flavor's number of blocks (0 keeps the flavor's)", bounds=Bounds(0, 4096))
     document_mask: bool = opt(False, "attention stays inside each packed document (a document starts at the "
                                      "tokenizer's BOS); off: sequences attend across document boundaries")
+    fused_loss: bool = opt(True, "models that offer it compute the output head and cross-entropy chunk by "
+                                 "chunk, never holding the FP32 logits of the whole batch (false: full logits)")
     fuse_wgrad_accumulation: bool = opt(False, "te backend: accumulate weight gradients into param.main_grad "
                                                "(not supported: bypasses the data-parallel reduction)")
 
@@ -143,6 +145,8 @@ class Parallelism:
     data_parallel_shard_degree: int = opt(-1, "ranks a parameter is sharded over (-1: the rest of the world)")
     data_parallel_replicate_degree: int = opt(1, "replicas of the sharded model (hsdp)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
+    shard_one_rank: bool = opt(False, "fsdp / hsdp on a single rank: wrap with FSDP anyway (false: train "
+                                      "unsharded, without FSDP's parameter and gradient copies, under autocast)")
     comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails", bounds=Bounds(1, WEEK_S))
 
 
@@ -159,6 +163,9 @@ class Optimizer:
                             choices=("float32", "bfloat16"))
     store_param_remainders: bool = opt(False, "fused_adam / te_fused_adam: keep only the 16 low bits of FP32 "
                                               "masters of BF16 params (saves memory)")
+    triton: bool = opt(True, "fused_adam: FP8 weights (delayed scaling) with bf16 moments take one Triton kernel "
+                             "that updates the master and writes the FP8 weight (false: TE's kernel, then a "
+                             "re-quantization pass)")
 
 
 @dataclass
@@ -231,6 +238,8 @@ class FP8:
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
                                                    "pre-quantization init values")
     bf16_layers: list = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
+    attention: bool = opt(False, "also run attention in FP8 (TE's fp8_dpa through cuDNN; delayed or current "
+                                 "scaling): faster, slightly less exact")
 
 
 @dataclass
@@ -555,6 +564,15 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.fp8.params and not cfg.fp8.enable:
         raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
                           f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
+    if cfg.fp8.attention:
+        from titan_te.fp8 import RECIPES
+
+        if not cfg.fp8.enable:
+            raise ConfigError(f"fp8.attention = true needs fp8.enable = true {where}")
+        if not RECIPES.get(cfg.fp8.recipe).fp8_attention:
+            able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention)
+            raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
+                              f"with it: {able} {where}")
     for idx in cfg.fp8.bf16_layers:
         if not isinstance(idx, int):
             raise ConfigError(f"fp8.bf16_layers holds block indices (ints), got {idx!r} {where}")

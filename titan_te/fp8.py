@@ -18,14 +18,15 @@ class RecipeSpec:
     name: str
     build: Callable  # build(fp8_cfg) -> a TE recipe object
     min_compute_capability: tuple[int, int]  # Hopper (9, 0) runs delayed/current/block; MX/NV FP4 need Blackwell
+    fp8_attention: bool = False  # TE can run attention itself in FP8 under this recipe (fp8.attention)
 
 
 RECIPES: Registry[RecipeSpec] = Registry("fp8 recipe")
 
 
-def recipe(name: str, min_cc: tuple[int, int]):
+def recipe(name: str, min_cc: tuple[int, int], fp8_attention: bool = False):
     def add(build):
-        RECIPES.register(name)(RecipeSpec(name, build, min_cc))
+        RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention))
         return build
 
     return add
@@ -37,19 +38,19 @@ def _format(fcfg):
     return getattr(Format, fcfg.fp8_format)
 
 
-@recipe("delayed", (8, 9))
+@recipe("delayed", (8, 9), fp8_attention=True)
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 
     return DelayedScaling(fp8_format=_format(fcfg), amax_history_len=fcfg.amax_history_len,
-                          amax_compute_algo=fcfg.amax_compute_algo, margin=fcfg.margin)
+                          amax_compute_algo=fcfg.amax_compute_algo, margin=fcfg.margin, fp8_dpa=fcfg.attention)
 
 
-@recipe("current", (8, 9))
+@recipe("current", (8, 9), fp8_attention=True)
 def _current(fcfg):
     from transformer_engine.common.recipe import Float8CurrentScaling
 
-    return Float8CurrentScaling(fp8_format=_format(fcfg))
+    return Float8CurrentScaling(fp8_format=_format(fcfg), fp8_dpa=fcfg.attention)
 
 
 @recipe("block", (9, 0))

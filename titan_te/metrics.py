@@ -39,6 +39,24 @@ def format_eta(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+class DeviceValues:
+    """Scalars still on the device: copied to host memory without waiting; `get()` waits for the copy."""
+
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.device.type == "cuda":
+            self.host = values.detach().to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values.detach()
+
+    def get(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
 class StepStats:
     step: int

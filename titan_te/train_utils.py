@@ -19,8 +19,9 @@ def set_determinism(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """Total gradient norm over all ranks (DTensor grads are reduced across their mesh); clips if max_norm > 0."""
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
+    tensor (no host sync); clips if max_norm > 0."""
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
@@ -28,4 +29,4 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         total = total.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total.item()
+    return total

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
@@ -34,7 +33,8 @@ from titan_te.fp8 import FP8Context, fp8_stats
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
-from titan_te.metrics import MetricsLogger, StepStats, memory_gib
+from titan_te.loss import IGNORE_INDEX, token_loss_sum
+from titan_te.metrics import DeviceValues, MetricsLogger, StepStats, memory_gib
 from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
@@ -51,7 +51,6 @@ from titan_te.memory_estimate import check_fits, local_world
 from titan_te.train_utils import clip_grad_norm, set_determinism
 
 logger = logging.getLogger("titan_te")
-IGNORE_INDEX = -100
 
 
 def _describe_data(cfg, source, val_source, tokenizer) -> str:
@@ -152,7 +151,7 @@ class Trainer:
         self.backend = resolve_backend(cfg.model.backend, device_type)
         logger.info(f"layer backend: {self.backend} (model.backend = {cfg.model.backend})")
         self.fp8 = FP8Context(cfg.fp8, amax_group=dist.group.WORLD)  # amax reduced over data parallel
-        spec = MODELS.get(cfg.model.name)
+        self.model_spec = spec = MODELS.get(cfg.model.name)
         self.model_args = spec.resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
                                             cfg.model.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
@@ -171,6 +170,9 @@ class Trainer:
             apply_compile(model, self.backend)
         mp = mixed_precision(device_type, t.mixed_precision_param, t.mixed_precision_reduce)
         parallel = PARALLELISMS.get(cfg.parallelism.data_parallel)
+        if env.world_size == 1 and parallel.one_rank and not cfg.parallelism.shard_one_rank:
+            parallel = PARALLELISMS.get(parallel.one_rank)
+        self.parallel = parallel.name
         self.train_model = parallel.apply(model, env, cfg.parallelism, mp)
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
@@ -220,7 +222,7 @@ class Trainer:
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
         self.validator = None if val_source is None else Validator(
             cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
-            pin_memory=device_type == "cuda")
+            pin_memory=device_type == "cuda", device=self.device)
         self.losses: list[float] = []  # global average loss of every step, for callers and tests
         if env.is_main:
             self._write_resolved_config()
@@ -250,7 +252,9 @@ class Trainer:
             logger.info(f"job {self.cfg.job.name}: {self.cfg.job.description}")
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {n / 1e6:,.1f} M parameters, "
                     f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
-        logger.info(f"parallel: {p.data_parallel} on {self.env.world_size} rank(s) "
+        ran = "" if self.parallel == p.data_parallel else \
+            f" (one rank: runs as {self.parallel}, without FSDP's copies; --parallelism.shard_one_rank=true keeps it)"
+        logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
                     f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}")
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
                     f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
@@ -262,10 +266,11 @@ class Trainer:
             logger.warning(f"lr_scheduler.warmup_steps = {warmup} is not shorter than training.steps = {t.steps}: "
                            f"the learning rate never reaches optimizer.lr")
 
-    def _next_microbatches(self):
+    def _next_microbatches(self) -> tuple[list[dict], int]:
+        """The step's micro-batches (input and labels on the device) and the epoch they come from."""
         batches = [next(self._data_iter) for _ in range(self.grad_accum)]
-        return [{k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                 for k, v in b.items()} for b in batches]
+        epoch = int(batches[-1]["epoch"].max())  # read on the host: no device sync
+        return [{k: b[k].to(self.device, non_blocking=True) for k in ("input", "labels")} for b in batches], epoch
 
     def forward_context(self):
         stack = contextlib.ExitStack()
@@ -274,21 +279,25 @@ class Trainer:
         stack.enter_context(self.fp8.autocast())
         return stack
 
-    ignore_index = IGNORE_INDEX
-
     def logits(self, inp: torch.Tensor) -> torch.Tensor:
         """The model's forward on one micro-batch (with document starts when model.document_mask)."""
-        kwargs = {"doc_start": inp == self.tokenizer.bos_id} if self.cfg.model.document_mask else {}
         with self.forward_context():
-            return self.train_model(inp, **kwargs)
+            return self.train_model(inp, **self._doc_kwargs(inp))
 
-    @staticmethod
-    def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy summed over the valid (not ignored) tokens."""
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    def _doc_kwargs(self, inp: torch.Tensor) -> dict:
+        return {"doc_start": inp == self.tokenizer.bos_id} if self.cfg.model.document_mask else {}
 
-    def train_step(self, microbatches) -> tuple[float, float, float]:
-        """One optimizer step over the micro-batches; returns (global avg loss, max rank loss, grad norm)."""
+    def loss_sum(self, inp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over the valid tokens of one micro-batch: from the model's fused head
+        when its spec computes the loss (and model.fused_loss), else from the full logits."""
+        with self.forward_context():
+            if self.model_spec.computes_loss and self.cfg.model.fused_loss:
+                return self.train_model(inp, labels=labels, **self._doc_kwargs(inp))
+            return token_loss_sum(self.train_model(inp, **self._doc_kwargs(inp)), labels)
+
+    def train_step(self, microbatches) -> torch.Tensor:
+        """One optimizer step over the micro-batches. Returns [global avg loss, max rank loss, grad norm]
+        as one device tensor: nothing here waits for the GPU."""
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
         global_tokens = local_tokens.clone()
         dist.all_reduce(global_tokens)
@@ -297,8 +306,7 @@ class Trainer:
         # whatever the split into ranks and micro-batches.
         loss_sum = torch.zeros((), device=self.device)
         for mb in microbatches:
-            logits = self.logits(mb["input"])
-            loss = self.token_loss_sum(logits, mb["labels"]) / global_tokens
+            loss = self.loss_sum(mb["input"], mb["labels"]) / global_tokens
             loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
@@ -308,26 +316,33 @@ class Trainer:
         rank_loss = loss_sum * global_tokens / local_tokens.clamp(min=1)
         dist.all_reduce(loss_sum)
         dist.all_reduce(rank_loss, op=dist.ReduceOp.MAX)
-        return loss_sum.item(), rank_loss.item(), grad_norm
+        return torch.stack([loss_sum, rank_loss, grad_norm.to(loss_sum.dtype)])
 
     def train(self, until_step: int | None = None) -> list[float]:
-        """Train to training.steps (or stop after `until_step`, as a crash would); returns the losses."""
+        """Train to training.steps (or stop after `until_step`, as a crash would); returns the losses.
+
+        A step's values (loss, grad norm) stay on the device and are read after the next step has been
+        queued, so the host never waits for the GPU between steps (except for validation, FP8 statistics
+        and synchronous saves); the last step's values are read when the loop ends."""
         t = self.cfg.training
         stop_at = min(until_step or t.steps, t.steps)
         self._data_iter = iter(self.dataloader)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
+        self._pending = None
+        self._last_done = time.perf_counter()
         with PreemptionGuard() as preempt:
             while self.state.step < stop_at:
                 step = self.state.step + 1
                 self.profiler.step_begin(step)
                 t0 = time.perf_counter()
-                microbatches = self._next_microbatches()
+                microbatches, epoch = self._next_microbatches()
                 t_data = time.perf_counter() - t0
                 lr = self.optimizer.param_groups[0]["lr"]
                 try:
-                    loss, max_loss, gnorm = self.train_step(microbatches)
+                    values = self.train_step(microbatches)
                 except torch.OutOfMemoryError as e:
+                    self._record_pending()
                     snap = self.profiler.snapshot(f"oom-step-{step}")
                     raise out_of_memory(step, e, snap) from None
                 except RuntimeError as e:
@@ -336,21 +351,33 @@ class Trainer:
                     raise out_of_memory(step, e, None) from None
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
-                self.losses.append(loss)
                 stop = preempt.requested_everywhere()
                 self._log_checkpoint_times(self.checkpointer.step_end(step, stop=stop))
-                epoch = int(microbatches[-1]["epoch"].max())
-                self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr,
-                                              self.tokens_per_step // self.env.dp_world,
-                                              time.perf_counter() - t0, t_data, epoch))
+                self._record_pending()  # the previous step's values: its GPU work is done by now
+                self._pending = (DeviceValues(values), step, lr, epoch, t_data)
                 self._periodic_metrics(step)
                 self.profiler.step_end(step)
                 if stop:
+                    self._record_pending()
                     raise preempted(step, self.checkpointer.enabled)
+        self._record_pending()
         self._log_checkpoint_times(self.checkpointer.flush())
         if self.state.step >= t.steps:
             self._final_summary()
         return self.losses
+
+    def _record_pending(self) -> None:
+        """Read the pending step's values from the device and log them (console, TensorBoard, losses)."""
+        if self._pending is None:
+            return
+        values, step, lr, epoch, t_data = self._pending
+        self._pending = None
+        loss, max_loss, gnorm = values.get()
+        now = time.perf_counter()
+        step_time, self._last_done = now - self._last_done, now
+        self.losses.append(loss)
+        self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr, self.tokens_per_step // self.env.dp_world,
+                                      step_time, t_data, epoch))
 
     def _log_checkpoint_times(self, saves) -> None:
         for rec in saves:
@@ -359,7 +386,8 @@ class Trainer:
     def _periodic_metrics(self, step: int) -> None:
         """Values logged at their own frequency: validation loss, FP8 scaling statistics."""
         if self.validator is not None and self.validator.due(step):
-            val_loss = self.validator.run(self)
+            self._record_pending()  # keep the console lines in step order
+            val_loss = self.validator.run(self.train_model, self.loss_sum)
             self.metrics.write({"loss_metrics/validation_loss": val_loss}, step)
             logger.info(f"step {step:>6}  validation loss {val_loss:8.4f}")
         freq = self.cfg.metrics.fp8_stats_freq

@@ -6,15 +6,20 @@ tokens of all data-parallel ranks.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from titan_te.data.loader import build_dataloader
+from titan_te.loss import IGNORE_INDEX
 
 
 class Validator:
-    def __init__(self, vcfg, source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, pin_memory: bool):
-        self.cfg = vcfg
+    def __init__(self, vcfg, source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, pin_memory: bool,
+                 device: torch.device):
+        self.cfg, self.device = vcfg, device
         self.loader = build_dataloader(source, seq_len, batch_size, dp_rank, dp_world, seed=0, shuffle=False,
                                        num_workers=0, pin_memory=pin_memory)
 
@@ -22,20 +27,20 @@ class Validator:
         return step % self.cfg.freq == 0
 
     @torch.no_grad()
-    def run(self, trainer) -> float:
+    def run(self, model: nn.Module, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+        """The mean loss over the held-out batches; `loss_sum(input, labels)` runs the forward (of `model`,
+        which is put in eval mode meanwhile) and returns the summed cross-entropy of the valid tokens."""
         self.loader.dataset.load_state_dict({"epoch": 0, "position": 0})  # the same batches every time
-        model = trainer.train_model
         model.eval()
-        loss_sum = torch.zeros((), device=trainer.device)
-        tokens = torch.zeros((), device=trainer.device)
+        total = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
         batches = iter(self.loader)
         for _ in range(self.cfg.steps):
             batch = next(batches)
-            inp, labels = batch["input"].to(trainer.device), batch["labels"].to(trainer.device)
-            logits = trainer.logits(inp)
-            loss_sum += trainer.token_loss_sum(logits, labels)
-            tokens += (labels != trainer.ignore_index).sum()
+            inp, labels = batch["input"].to(self.device), batch["labels"].to(self.device)
+            total += loss_sum(inp, labels)
+            tokens += (labels != IGNORE_INDEX).sum()
         model.train()
-        both = torch.stack([loss_sum, tokens.float()])
+        both = torch.stack([total, tokens.float()])
         dist.all_reduce(both)
         return (both[0] / both[1].clamp(min=1)).item()

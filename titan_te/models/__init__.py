@@ -7,7 +7,10 @@ A family registers (usually from a module named by `job.custom_import`):
   vocabulary, the sequence length, an optional block-count override);
 - `build(args, backend, document_mask=, fp8=, params_dtype=)`: the module, called under the meta
   device; it follows `Model` below;
-- `hf`: an optional Hugging Face adapter (export and `checkpoint.initial_load_path`); None: not offered.
+- `hf`: an optional Hugging Face adapter (export and `checkpoint.initial_load_path`); None: not offered;
+- `computes_loss`: the forward also takes `labels=` and then returns the summed cross-entropy over the
+  valid tokens itself (a fused head that never builds the logits); otherwise the trainer computes it
+  from the returned logits.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ class Model(Protocol):
         """Fill non-persistent buffers (e.g. RoPE tables) after the parameters are materialized."""
 
     def __call__(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        """[batch, seq] token ids -> [batch, seq, vocab] logits."""
+        """[batch, seq] token ids -> [batch, seq, vocab] logits (with `labels=` when the spec
+        computes_loss: the summed cross-entropy)."""
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ModelSpec:
     build: Callable[..., Any]  # build(args, backend_name, **kw) -> nn.Module (call under the meta device)
     resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
     hf: Any = None  # module or object with to_hf / load_hf_weights / hf_config; None: no HF export or import
+    computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
 
 
 MODELS: Registry[ModelSpec] = Registry("model")

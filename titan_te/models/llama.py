@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from titan_te.errors import ConfigError
+from titan_te.loss import linear_cross_entropy_sum
 from titan_te.models import MODELS, ModelSpec
 
 
@@ -78,6 +79,16 @@ def rope_angles(args: LlamaArgs, seq_len: int, device=None) -> torch.Tensor:
     return torch.cat([freqs, freqs], dim=-1).float().view(seq_len, 1, 1, hd)
 
 
+class OutputHead(nn.Linear):
+    """The vocabulary projection; with labels it returns the summed cross-entropy from the fused,
+    chunked head instead of the logits (a module of its own, so it can be its own FSDP unit)."""
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h).float()
+        return linear_cross_entropy_sum(h, self.weight, labels)
+
+
 class Llama(nn.Module):
     def __init__(self, args: LlamaArgs, block_factory, document_mask=None):
         """document_mask: the backend's mask builder when attention must stay inside documents."""
@@ -88,7 +99,7 @@ class Llama(nn.Module):
         # A ModuleDict keyed by str(i) keeps names stable (layers.<i>.*) when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block_factory(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputHead(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_angles(args, args.max_seq_len), persistent=False)
 
     def init_buffers(self, device) -> None:
@@ -107,13 +118,17 @@ class Llama(nn.Module):
             return "normal", 0.02 / math.sqrt(2 * (layer_id + 1))
         return "normal", 0.02
 
-    def forward(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None) -> torch.Tensor:
-        """doc_start [batch, seq] bool marks the first token of each packed document (used when the
-        model was built with a document mask)."""
+    def forward(self, tokens: torch.Tensor, doc_start: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """[batch, seq] tokens -> [batch, seq, vocab] FP32 logits, or with labels the cross-entropy
+        summed over the valid tokens (never building the logits). doc_start [batch, seq] bool marks
+        the first token of each packed document (used when the model was built with a document mask)."""
         seq = tokens.shape[1]
         if seq > self.args.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds max_seq_len {self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)
+        if torch.is_autocast_enabled(h.device.type):  # as under FSDP's parameter cast: a bf16 residual stream
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         rope = self.rope[:seq]
         mask = None
         if self.document_mask is not None:  # blocks built for packed documents need a mask every time
@@ -122,8 +137,7 @@ class Llama(nn.Module):
             mask = self.document_mask(doc_start)
         for block in self.layers.values():
             h = block(h, rope, mask)
-        h = self.norm(h)
-        return self.output(h).float()
+        return self.output(self.norm(h), labels)
 
 
 def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **block_options) -> Llama:
@@ -151,4 +165,4 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
 
 
 MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
-                                    hf="titan_te.hf_io"))
+                                    hf="titan_te.hf_io", computes_loss=True))

@@ -11,7 +11,9 @@ Kinds (the `kind` of a bucket):
   lowp          BF16/FP16 weights, no master: updated in their own dtype
   lowp_master   BF16/FP16 weights with FP32 masters: the master is updated, the weight rounded from it
   lowp_remain   BF16 weights + int16 remainders of the FP32 master (store_param_remainders, TE kernel)
-  quantized     TE FP8 weights with FP32 masters: the master is updated, the weight re-quantized from it
+  quantized     TE FP8 weights with FP32 masters: the master is updated and the FP8 weight written from
+                it, in one kernel where there is one (TE's for FP32 moments, ours in Triton for others,
+                delayed scaling), else the weight is re-quantized from the master after the update
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError
 from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim import triton_adam
 from titan_te.optim.param_groups import decay_groups
 
 TE_CHUNK = 2048 * 32  # elements per block of TE's multi-tensor kernels
@@ -75,7 +78,8 @@ class Bucket:
 class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  master_weights: bool = True, moment_dtype: torch.dtype = torch.float32,
-                 store_param_remainders: bool = False, use_te_kernels: bool | None = None, streams: int = 2):
+                 store_param_remainders: bool = False, use_te_kernels: bool | None = None, streams: int = 2,
+                 triton: bool = True):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
         super().__init__(params, defaults)
         self.master_weights = master_weights
@@ -85,6 +89,7 @@ class FusedAdam(torch.optim.Optimizer):
         if use_te_kernels and kernels is None:
             raise FusedAdamError("fused_adam: TE kernels requested but Transformer Engine or CUDA is missing")
         self._te = kernels if use_te_kernels is not False else None
+        self._triton = triton and self._te is not None and triton_adam.available()
         self._buckets: list[Bucket] | None = None
         self._noop = None
         # streams > 1: TE kernel launches are spread over that many CUDA streams (each launch holds a
@@ -220,32 +225,40 @@ class FusedAdam(torch.optim.Optimizer):
             self._te_update(b.kind, grads, weights, masters, m, v, *hp)
         else:
             self._torch_update(b.kind, grads, weights, masters, m, v, *hp)
-        if b.kind == "quantized" and not self._fused_fp8(weights):
+        if b.kind == "quantized" and self._fp8_writer(weights) is None:
             for w, master in zip(weights, masters):
                 w.quantize_(master)
 
-    def _fused_fp8(self, weights) -> bool:
-        """Delayed-scaling Float8Tensor weights: TE's multi_tensor_adam_fp8 updates the master and
-        writes the FP8 bytes in the same kernel (no separate re-quantization pass). That kernel takes
-        FP32 moments only; with bf16 moments the master is updated, then each weight re-quantized."""
-        if self._te is None or self.moment_dtype != torch.float32:
-            return False
+    def _fp8_writer(self, weights) -> str | None:
+        """Which kernel updates the masters of delayed-scaling Float8Tensor weights and writes their FP8
+        bytes in the same pass: "te" (TE's multi_tensor_adam_fp8, FP32 moments only), "triton" (ours, any
+        moments), or None: the master is updated, then each weight re-quantized."""
+        if self._te is None:
+            return None
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 
-        return all(isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer) for w in weights)
+        if not all(isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer) for w in weights):
+            return None
+        if self.moment_dtype == torch.float32:
+            return "te"
+        return "triton" if self._triton else None
 
     def _te_update(self, kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
         tex = self._te
         if self._noop is None:
             self._noop = torch.zeros(1, dtype=torch.int, device=grads[0].device)
         extra = ()
+        writer = self._fp8_writer(weights) if kind == "quantized" else None
         if kind in ("fp32", "lowp"):
             lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
         elif kind == "lowp_master":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam
         elif kind == "lowp_remain":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam_param_remainder
-        elif self._fused_fp8(weights):  # quantized, delayed scaling: master update + FP8 write in one pass
+        elif writer == "triton":
+            triton_adam.adam_fp8_(grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
+            return
+        elif writer == "te":  # delayed scaling, FP32 moments: master update + FP8 write
             q = [w._quantizer for w in weights]
             lists = [grads, [w._data for w in weights], m, v, masters, [x.scale for x in q], [x.amax for x in q],
                      [w._scale_inv for w in weights]]
@@ -345,7 +358,7 @@ def build_fused_adam(named_params, ocfg, device_type: str) -> FusedAdam:
                      eps=ocfg.eps, master_weights=ocfg.master_weights,
                      moment_dtype=getattr(torch, ocfg.moment_dtype),
                      store_param_remainders=ocfg.store_param_remainders,
-                     use_te_kernels=None if device_type == "cuda" else False)
+                     use_te_kernels=None if device_type == "cuda" else False, triton=ocfg.triton)
 
 
 OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam,

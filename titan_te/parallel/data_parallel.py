@@ -55,9 +55,10 @@ def apply_none(model, env, pcfg, mp):
     return model
 
 
-PARALLELISMS.register("fsdp")(ParallelSpec("fsdp", apply_fsdp, casts_params=True, reduces_grads_itself=True))
+PARALLELISMS.register("fsdp")(ParallelSpec("fsdp", apply_fsdp, casts_params=True, reduces_grads_itself=True,
+                                           one_rank="none"))
 PARALLELISMS.register("hsdp")(ParallelSpec("hsdp", apply_hsdp, casts_params=True, reduces_grads_itself=True,
-                                           replicates=True))
+                                           replicates=True, one_rank="none"))
 PARALLELISMS.register("ddp")(ParallelSpec("ddp", apply_ddp))
 PARALLELISMS.register("none")(ParallelSpec("none", apply_none, multi_process=False))
 

@@ -1,0 +1,303 @@
+"""End-to-end training speed of the presets beside a torchtitan-style peer, on one GPU, in one run.
+
+    python benchmarks/train_bench.py                          # 1B and 8B: presets and peers
+    python benchmarks/train_bench.py --runs 1b_fp8,1b_peer    # a subset
+    python benchmarks/train_bench.py --runs 1b_fp8,1b_peer --n_layers 2 --steps 3   # a quick look
+
+Every run is a fresh process (its own CUDA context and memory peak) at the preset's shapes: vocabulary
+128,256, seq 8192, batch 4 (1B) or 1 (8B). The presets run through the Trainer and its real training
+loop (`Trainer.train`, data loader included, checkpoints and TensorBoard off); the peer is
+benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps are timed between two
+device synchronizations; then --profile_steps more are traced with torch.profiler and their GPU time is
+split by kernel name into categories, with `idle` the part of the wall time no kernel or copy ran.
+
+tok/s, TFLOP/s (6 x parameters + attention, the trainer's formula, the same for every run), MFU
+against the dense bf16 peak (989 TFLOP/s on an H200), the peak of allocated memory, and the ratio to
+the peer of the same size. A `<name>_before` run takes the code from --before (a checkout of an
+older commit) to compare a change in the same session.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {"1b": ("llama3_1b_fp8", "1B", 4), "8b": ("llama_fp8", "8B", 1)}  # preset, flavor, batch
+VOCAB, SEQ = 128256, 8192  # the flavors' vocabulary (the byte tokenizer's ids lie within it)
+PEAK = 989e12
+# run name -> (kind, size, preset overrides or peer options)
+RUNS = {
+    "1b_fp8": ("preset", "1b", []),
+    "1b_fp8_before": ("before", "1b", []),
+    "1b_fp8_attention": ("preset", "1b", ["--fp8.attention=true"]),
+    "1b_bf16": ("preset", "1b", ["--fp8.enable=false", "--fp8.params=false"]),
+    "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
+    "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
+    "8b_fp8": ("preset", "8b", []),
+    "8b_fp8_before": ("before", "8b", []),
+    "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
+    "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
+}
+DEFAULT_RUNS = "1b_fp8,1b_fp8_attention,1b_peer,8b_fp8,8b_peer"
+# kernel-name fragments per category, first match wins (attention before GEMM: fused attention kernels
+# carry GEMM-like names)
+CATEGORIES = [
+    ("attention", ("flash", "fmha", "sdpa", "attn", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "matmul", "sm90_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "l2norm")),
+    ("cast/transpose", ("cast", "transpose", "quantize", "amax", "fp8", "float8", "scale")),
+    ("copies/comm", ("memcpy", "memset", "nccl", "chunk_cat", "split_with_sizes", "catarray", "copy")),
+]
+COLUMNS = [c for c, _ in CATEGORIES] + ["other", "idle"]
+
+
+def category(name: str, cat: str) -> str:
+    low = name.lower()
+    if cat in ("gpu_memcpy", "gpu_memset"):
+        return "copies/comm"
+    for label, fragments in CATEGORIES:
+        if any(f in low for f in fragments):
+            return label
+    return "other"
+
+
+def breakdown(trace: Path, wall_us: float, steps: int) -> dict:
+    """ms per step per category, idle ms and busy % from a chrome trace of `steps` steps."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    per = {c: 0.0 for c in COLUMNS}
+    spans = []
+    for e in gpu:
+        per[category(e.get("name", ""), e["cat"])] += e["dur"]
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+    busy, end = 0.0, -1.0
+    for a, b in sorted(spans):  # union of the intervals: several streams can overlap
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    per["idle"] = max(wall_us - busy, 0.0)
+    out = {c: v / steps / 1e3 for c, v in per.items()}
+    out["busy_pct"] = 100.0 * busy / max(wall_us, 1e-9)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# children: one run each, printing one RESULT line
+# ------------------------------------------------------------------------------------------------
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def _profile(fn, steps: int, trace: Path) -> tuple[float, dict]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        _sync()
+        t0 = time.perf_counter()
+        fn(steps)
+        _sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    prof.export_chrome_trace(str(trace))
+    return wall_us, breakdown(trace, wall_us, steps)
+
+
+def _timed(fn, warmup: int, steps: int) -> float:
+    fn(warmup)
+    _sync()
+    t0 = time.perf_counter()
+    fn(steps)
+    _sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def child_preset(a, overrides: list[str]) -> dict:
+    from titan_te import config as config_mod
+    from titan_te.logging_setup import setup_logging
+    from titan_te.trainer import Trainer
+
+    preset, _, _ = PRESETS[a.size]
+    total = a.warmup + a.steps + a.profile_steps
+    argv = ["--config", preset, f"--training.steps={total}", "--checkpoint.enable=false",
+            "--metrics.enable_tensorboard=false", f"--job.dump_folder={a.tmp}", *a.overrides, *overrides]
+    argv += [f"--training.seq_len={a.seq_len}"] + ([f"--model.n_layers={a.n_layers}"] if a.n_layers else [])
+    argv += [f"--model.flavor={a.flavor}"] if a.flavor else []
+    cfg, _ = config_mod.load(argv)
+    setup_logging()
+    with Trainer(cfg) as tr:
+        done = [0]
+
+        def run(n: int) -> None:
+            done[0] += n
+            tr.train(until_step=done[0])
+
+        step_s = _timed(run, a.warmup, a.steps)
+        peak = _peak_gib()
+        _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
+        tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)
+        losses = [tr.losses[0], tr.losses[-1]]
+    return {"step_s": step_s, "tokens": tokens, "flops_per_token": flops, "peak_gib": peak, "parts": parts,
+            "losses": losses}
+
+
+def child_peer(a, opts: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_llama import build_peer, peer_step
+
+    from titan_te.models.llama import resolve_args
+
+    _, flavor, batch = PRESETS[a.size]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    args = resolve_args(a.flavor or flavor, VOCAB, a.seq_len, a.n_layers)
+    model, opt = build_peer(args, opts["float8"], opts["bf16_state"], device)
+    g = torch.Generator(device=device).manual_seed(0)
+    data = torch.randint(0, args.vocab_size, (batch, a.seq_len + 1), device=device, generator=g)
+    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    losses: list[float] = []
+    done = [0]
+
+    def run(n: int) -> None:
+        for i in range(n):
+            loss = peer_step(model, opt, tokens, labels)
+            done[0] += 1
+            if done[0] % 10 == 0 or i == n - 1:  # log steps only: torchtitan reads the loss there
+                losses.append(loss.item())
+
+    step_s = _timed(run, a.warmup, a.steps)
+    peak = _peak_gib()
+    _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
+    dist.destroy_process_group()
+    return {"step_s": step_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
+            "peak_gib": peak, "parts": parts, "losses": [losses[0], losses[-1]]}
+
+
+def child(a) -> int:
+    kind, size, extra = RUNS[a.child]
+    a.size = size
+    with tempfile.TemporaryDirectory(dir=a.scratch or None) as tmp:
+        a.tmp = tmp
+        result = child_peer(a, extra) if kind == "peer" else child_preset(a, extra)
+    print("RESULT " + json.dumps({"name": a.child, **result}), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# parent: one process per run, then the tables
+# ------------------------------------------------------------------------------------------------
+def run_child(name: str, a) -> dict | None:
+    kind = RUNS[name][0]
+    root = Path(a.before).resolve() if kind == "before" else ROOT
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p and Path(p).resolve() != ROOT])
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, f"--warmup={a.warmup}",
+           f"--steps={a.steps}", f"--profile_steps={a.profile_steps}", f"--n_layers={a.n_layers}",
+           f"--scratch={a.scratch}", f"--seq_len={a.seq_len}", f"--flavor={a.flavor}", *[f"--override={o}" for o in a.overrides]]
+    log = Path(a.log_dir) / f"{name}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            r = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: timed out after {a.timeout} s (log {log})", flush=True)
+            return None
+    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        tail = log.read_text().strip().splitlines()[-3:]
+        print(f"{name}: failed with exit code {r.returncode} (log {log}): {' | '.join(tail)}", flush=True)
+        return None
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["wall_s"] = time.perf_counter() - t0
+    res["tok_s"] = res["tokens"] / res["step_s"]
+    res["tflops"] = res["tok_s"] * res["flops_per_token"] / 1e12
+    print(f"{name}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, peak {res['peak_gib']:.1f} GiB, "
+          f"loss {res['losses'][0]:.3f} -> {res['losses'][1]:.3f} ({res['wall_s']:.0f} s)", flush=True)
+    return res
+
+
+def tables(results: dict[str, dict]) -> str:
+    rows = ["| run | tok/s | TFLOP/s | MFU | peak GiB | vs peer |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in results.items():
+        peer = results.get(f"{RUNS[name][1]}_peer")
+        ratio = f"{r['tok_s'] / peer['tok_s']:.3f}x" if peer else "n/a"
+        rows.append(f"| {name} | {r['tok_s']:,.0f} | {r['tflops']:.0f} | {100 * r['tflops'] * 1e12 / PEAK:.1f}% | "
+                    f"{r['peak_gib']:.1f} | {ratio} |")
+    rows += ["", "ms per step of one traced step window (kernel time by category; idle: no kernel running)", "",
+             "| run | step ms | " + " | ".join(COLUMNS) + " | GPU busy |",
+             "| --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |"]
+    for name, r in results.items():
+        p = r["parts"]
+        rows.append(f"| {name} | {1e3 * r['step_s']:.1f} | " + " | ".join(f"{p[c]:.1f}" for c in COLUMNS)
+                    + f" | {p['busy_pct']:.1f}% |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated, of: {', '.join(RUNS)}")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile_steps", type=int, default=2)
+    ap.add_argument("--n_layers", type=int, default=0, help="override the number of blocks (0: the flavor's)")
+    ap.add_argument("--seq_len", type=int, default=SEQ)
+    ap.add_argument("--flavor", default="", help="override the model flavor of every run (default: 1B / 8B)")
+    ap.add_argument("--override", dest="overrides", action="append", default=[],
+                    help="an extra --section.key=value for every preset run (repeatable)")
+    ap.add_argument("--before", default="", help="a checkout of older code for the *_before runs")
+    ap.add_argument("--log_dir", default="", help="where each run's log goes (default: a temporary folder)")
+    ap.add_argument("--scratch", default="", help="folder for run folders and traces (default: the temp dir)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--out", default="", help="also write the tables to this file")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    unknown = [n for n in a.runs.split(",") if n not in RUNS]
+    if unknown:
+        print(f"train_bench: unknown run(s) {', '.join(unknown)}; known: {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    if any(RUNS[n][0] == "before" for n in a.runs.split(",")) and not Path(a.before, "titan_te").is_dir():
+        print("train_bench: the *_before runs need --before pointing at a checkout holding titan_te/",
+              file=sys.stderr)
+        return 2
+    a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="train_bench_")
+    Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in a.runs.split(","):
+        res = run_child(name, a)
+        if res is not None:
+            results[name] = res
+    text = tables(results)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0 if len(results) == len(a.runs.split(",")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

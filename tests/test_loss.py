@@ -1,0 +1,55 @@
+"""The fused, chunked output head + cross-entropy against full logits."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import run_ranks
+from test_options import _losses
+from titan_te.loss import IGNORE_INDEX, chunk_tokens, linear_cross_entropy_sum, token_loss_sum
+
+
+def _inputs(tokens=70, dim=16, vocab=50, ignored=(3, 4, 69)):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, dim, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[list(ignored)] = IGNORE_INDEX
+    return h, w, labels
+
+
+@pytest.mark.parametrize("chunk", [7, 32, 70, 1000], ids=["uneven-chunks", "three-chunks", "one-chunk", "bigger"])
+def test_fused_head_matches_full_logits_in_loss_and_both_gradients(chunk):
+    h, w, labels = _inputs()
+    # float64 reference; the fused head takes its softmax in FP32, as it does on the GPU
+    ref = F.cross_entropy(h @ w.t(), labels, reduction="sum", ignore_index=IGNORE_INDEX)
+    ref_h, ref_w = torch.autograd.grad(ref * 0.37, (h, w))  # a scaled loss, as the trainer divides by tokens
+    fused = linear_cross_entropy_sum(h, w, labels, chunk=chunk)
+    got_h, got_w = torch.autograd.grad(fused * 0.37, (h, w))
+    assert fused.item() == pytest.approx(ref.item(), rel=1e-6)  # fp32 loss accumulation
+    torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+    assert got_h[[3, 4, 69]].abs().max().item() == 0.0  # ignored tokens get no gradient
+
+
+def test_fused_head_without_gradients_and_with_all_tokens_ignored():
+    h, w, labels = _inputs()
+    with torch.no_grad():
+        assert linear_cross_entropy_sum(h, w, labels, chunk=16).item() == pytest.approx(
+            token_loss_sum((h @ w.t()).unsqueeze(0), labels.unsqueeze(0)).item(), rel=1e-6)
+    none = torch.full_like(labels, IGNORE_INDEX)
+    loss = linear_cross_entropy_sum(h, w, none, chunk=16)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert loss.item() == 0.0 and gh.abs().max().item() == 0.0 and gw.abs().max().item() == 0.0
+
+
+def test_chunk_size_keeps_fp32_logits_within_the_budget():
+    assert chunk_tokens(128256, 32768) == 4096  # 4096 x 128,256 x 4 B = 1.96 GiB
+    assert chunk_tokens(258, 2048) == 2048  # a small vocabulary: one chunk
+    assert chunk_tokens(10**9, 100) == 100  # never below one row of work
+
+
+def test_training_with_the_fused_head_gives_the_losses_of_full_logits(tmp_path):
+    fused = run_ranks(_losses, 1, str(tmp_path / "a"), {})[0]
+    full = run_ranks(_losses, 1, str(tmp_path / "b"), {"model": {"fused_loss": False}})[0]
+    assert len(fused) == 4 and fused == pytest.approx(full, rel=1e-5)
+    assert fused[-1] < fused[0]

@@ -1,0 +1,87 @@
+"""One Triton kernel for AdamW on TE delayed-scaling FP8 weights with FP32 masters and any-dtype moments.
+
+Per element it reads the gradient, the FP32 master and both moments once and writes the master, the
+moments and the FP8 byte once (21 bytes with FP32 gradients and bf16 moments), where the two-pass
+path (TE's multi_tensor_adam on the masters, then one `quantize_` per weight) reads the new master a
+second time and launches several kernels per weight. The math is TE's AdamW (mode 1, bias
+correction): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd p).
+The FP8 write follows TE's delayed-scaling cast: saturate(p * scale), amax = max(amax, |p|) into the
+quantizer's amax, scale_inv = 1 / scale.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK = 4096
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@functools.cache
+def available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adam_fp8(g_ptr, p_ptr, m_ptr, v_ptr, q_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n, lr, beta1, beta2, eps,
+                 wd, bc1, bc2, fp8_max, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.sqrt(v / bc2) + eps
+        p = p - lr * ((m / bc1) / denom + wd * p)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+        scale = tl.load(scale_ptr)
+        q = tl.minimum(tl.maximum(p * scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(p), 0.0), axis=0))
+        tl.store(scale_inv_ptr, 1.0 / scale, mask=pid == 0)
+
+    return adam_fp8
+
+
+def fp8_storage_dtype(weight) -> torch.dtype:
+    import transformer_engine_torch as tex
+
+    return torch.float8_e5m2 if weight._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
+
+
+def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step) -> None:
+    """Update FP32 masters and moments in place and write each delayed-scaling Float8Tensor weight
+    from its new master (one launch per tensor)."""
+    kernel = _kernel()
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    for g, w, p, m, v in zip(grads, weights, masters, exp_avgs, exp_avg_sqs):
+        n = p.numel()
+        if n == 0:
+            continue
+        dtype = fp8_storage_dtype(w)
+        q = w._quantizer
+        kernel[(triton_cdiv(n, BLOCK),)](g, p, m, v, w._data.view(dtype), q.scale, q.amax, w._scale_inv, n, lr,
+                                         beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[dtype], BLOCK=BLOCK, num_warps=8)
+        w._reset_caches()  # a cached FP8 transpose is stale now
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
