@@ -36,6 +36,8 @@ RUNS = {
     "1b_fp8": ("preset", "1b", []),
     "1b_fp8_before": ("before", "1b", []),
     "1b_fp8_attention": ("preset", "1b", ["--fp8.attention=true"]),
+    "1b_fp8_sharded": ("preset", "1b", ["--parallelism.shard_one_rank=true"]),
+    "1b_fp8_full_logits": ("preset", "1b", ["--model.fused_loss=false"]),
     "1b_bf16": ("preset", "1b", ["--fp8.enable=false", "--fp8.params=false"]),
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
@@ -51,7 +53,8 @@ CATEGORIES = [
     ("attention", ("flash", "fmha", "sdpa", "attn", "attention")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "wgmma", "matmul", "sm90_")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "l2norm")),
-    ("cast/transpose", ("cast", "transpose", "quantize", "amax", "fp8", "float8", "scale")),
+    ("cast/transpose", ("cast_", "_cast", "transpose", "quantize", "amax", "fp8", "float8", "scale", "direct_copy",
+                        "bfloat16_copy")),
     ("copies/comm", ("memcpy", "memset", "nccl", "chunk_cat", "split_with_sizes", "catarray", "copy")),
 ]
 COLUMNS = [c for c, _ in CATEGORIES] + ["other", "idle"]
@@ -83,6 +86,11 @@ def breakdown(trace: Path, wall_us: float, steps: int) -> dict:
         busy += b - max(a, end)
         end = b
     per["idle"] = max(wall_us - busy, 0.0)
+    by_name: dict[str, float] = {}
+    for e in gpu:
+        by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:  # into the run's log
+        print(f"  {us / steps / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
     out = {c: v / steps / 1e3 for c, v in per.items()}
     out["busy_pct"] = 100.0 * busy / max(wall_us, 1e-9)
     return out
@@ -231,6 +239,8 @@ def run_child(name: str, a) -> dict | None:
         tail = log.read_text().strip().splitlines()[-3:]
         print(f"{name}: failed with exit code {r.returncode} (log {log}): {' | '.join(tail)}", flush=True)
         return None
+    top = [ln for ln in log.read_text().splitlines() if " ms  " in ln][:20]
+    print(f"{name}: the kernels taking most time per step\n" + "\n".join(top), flush=True)
     res = json.loads(lines[-1][len("RESULT "):])
     res["wall_s"] = time.perf_counter() - t0
     res["tok_s"] = res["tokens"] / res["step_s"]

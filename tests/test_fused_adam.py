@@ -121,3 +121,23 @@ def test_trainer_losses_with_fused_adam_equal_adamw(tmp_path, world):
     fused = run_ranks(_train, world, str(tmp_path / "f"), "fused_adam")[0]
     assert len(fused) == 10 and fused[-1] < fused[0]
     assert fused == pytest.approx(adamw, rel=1e-5)
+
+
+def test_clipping_inside_the_step_equals_a_clipping_pass_before_it():
+    """clip_grad_norm hands fused_adam the clip coefficient; the update equals clipping the gradients first."""
+    from titan_te.optim.fused_adam import FusedAdam
+    from titan_te.train_utils import clip_grad_norm
+
+    models = [_model(), _model()]
+    opts = [FusedAdam(_groups(m), **{k: v for k, v in HP.items() if k != "weight_decay"}) for m in models]
+    for step in range(5):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        norms = []
+        for i, (m, o) in enumerate(zip(models, opts)):
+            (m(x).square().mean() * 100).backward()  # large gradients: clipping is active
+            norms.append(clip_grad_norm(m.parameters(), 0.5, o if i else None).item())
+            o.step()
+            o.zero_grad()
+        assert norms[0] == norms[1] and norms[0] > 0.5
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)

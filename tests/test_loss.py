@@ -46,6 +46,7 @@ def test_chunk_size_keeps_fp32_logits_within_the_budget():
     assert chunk_tokens(128256, 32768) == 4096  # 4096 x 128,256 x 4 B = 1.96 GiB
     assert chunk_tokens(258, 2048) == 2048  # a small vocabulary: one chunk
     assert chunk_tokens(10**9, 100) == 100  # never below one row of work
+    assert chunk_tokens(128256, 32768, kernel=True) == 8320  # bf16 logits in place: twice the tokens (2 GiB)
 
 
 def test_training_with_the_fused_head_gives_the_losses_of_full_logits(tmp_path):
@@ -53,3 +54,23 @@ def test_training_with_the_fused_head_gives_the_losses_of_full_logits(tmp_path):
     full = run_ranks(_losses, 1, str(tmp_path / "b"), {"model": {"fused_loss": False}})[0]
     assert len(fused) == 4 and fused == pytest.approx(full, rel=1e-5)
     assert fused[-1] < fused[0]
+
+
+@pytest.mark.gpu
+def test_triton_rows_match_torch_rows_in_bf16():
+    """The CUDA path (Triton kernel, FP32-accumulated weight gradient) against torch ops, bf16 inputs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(3000, 256, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(50000, 256, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50000, (3000,), device="cuda", generator=g)
+    labels[::7] = IGNORE_INDEX
+    out = {}
+    for kernel in (True, False):
+        loss = linear_cross_entropy_sum(h, w, labels, chunk=1024, kernel=kernel)
+        out[kernel] = (loss.detach(), *torch.autograd.grad(loss / 2571, (h, w)))
+    (lk, hk, wk), (lt, ht, wt) = out[True], out[False]
+    print(f"loss kernel {lk.item():.4f} torch {lt.item():.4f}")
+    assert abs(lk.item() - lt.item()) / lt.item() < 1e-5
+    assert hk[::7].abs().max().item() == 0.0
+    torch.testing.assert_close(hk.float(), ht.float(), rtol=2e-2, atol=1e-5)
+    torch.testing.assert_close(wk.float(), wt.float(), rtol=2e-2, atol=1e-5)

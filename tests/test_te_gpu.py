@@ -240,6 +240,7 @@ def test_triton_fp8_adam_matches_te_update_plus_requantization():
             for p in params:
                 p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-2
                 p._quantizer.amax.zero_()  # as the recipe does after each history roll
+            opt.scale_grads_in_step(torch.full((), 0.5, device="cuda"))  # clipping: in the kernel / a foreach pass
             opt.step()
         assert {b.kind for b in opt._buckets} == {"quantized"}
         assert opt._fp8_writer([p for p in params]) == ("triton" if triton else None)
@@ -247,7 +248,11 @@ def test_triton_fp8_adam_matches_te_update_plus_requantization():
                          opt.state[p]["exp_avg_sq"].float(), p._data.clone(), p._quantizer.amax.clone(),
                          p._scale_inv.clone()) for p in params]
     for (master, m, v, data, amax, sinv), (rmaster, rm, rv, rdata, ramax, rsinv) in zip(runs[True], runs[False]):
-        torch.testing.assert_close(master, rmaster, rtol=1e-6, atol=1e-9)
+        # FP32 rounding differs in the last bit (FMA contraction); where a bf16 moment rounds one step
+        # apart, the master differs a little more
+        far = ((master - rmaster).abs() > 1e-6 * rmaster.abs() + 1e-9).float().mean().item()
+        assert far < 1e-3
+        torch.testing.assert_close(master, rmaster, rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(m, rm, rtol=1e-2, atol=1e-9)  # bf16 storage: one rounding apart at most
         torch.testing.assert_close(v, rv, rtol=1e-2, atol=1e-12)
         same = (data == rdata).float().mean().item()

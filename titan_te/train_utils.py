@@ -19,14 +19,28 @@ def set_determinism(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def grad_norm(parameters) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
-    tensor (no host sync); clips if max_norm > 0."""
+    tensor (no host sync)."""
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=2.0,
+                                          foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor gradient clipping multiplies the gradients by (torch's: at most 1)."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm(parameters, max_norm: float, optimizer=None) -> torch.Tensor:
+    """The total gradient norm (before clipping); clips to max_norm when > 0. An optimizer with
+    `scale_grads_in_step` gets the clip coefficient to apply inside its own update instead of a pass
+    over all gradients here."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    total = grad_norm(params)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        if hasattr(optimizer, "scale_grads_in_step"):
+            optimizer.scale_grads_in_step(clip_coefficient(total, max_norm))
+        else:
+            torch._foreach_mul_([p.grad for p in params], clip_coefficient(total, max_norm))
     return total

@@ -309,7 +309,7 @@ class Trainer:
             loss = self.loss_sum(mb["input"], mb["labels"]) / global_tokens
             loss.backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, self.optimizer)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

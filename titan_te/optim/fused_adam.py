@@ -91,6 +91,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._te = kernels if use_te_kernels is not False else None
         self._triton = triton and self._te is not None and triton_adam.available()
         self._buckets: list[Bucket] | None = None
+        self.grad_scale: torch.Tensor | None = None  # set by the trainer: the clip coefficient for this step
         self._noop = None
         # streams > 1: TE kernel launches are spread over that many CUDA streams (each launch holds a
         # bounded number of blocks; two concurrent streams cut the FP8 step on the H200 by 9%)
@@ -197,9 +198,15 @@ class FusedAdam(torch.optim.Optimizer):
         self._buckets = None
 
     # --- the step --------------------------------------------------------------------------------
+    def scale_grads_in_step(self, scale: torch.Tensor) -> None:
+        """Multiply the gradients by `scale` (a device scalar, e.g. the clip coefficient) in the next
+        step: inside the Triton kernel for FP8 weights, as one foreach pass before the update otherwise."""
+        self.grad_scale = scale
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        scale, self.grad_scale = self.grad_scale, None
         if self._buckets is None:
             self._buckets = self._build_buckets()
         for group in self.param_groups:
@@ -213,19 +220,24 @@ class FusedAdam(torch.optim.Optimizer):
             if not grads:
                 continue
             sel = (lambda xs: xs) if len(keep) == len(b.params) else (lambda xs: [xs[i] for i in keep])
-            self._update(b, grads, sel)
+            self._update(b, grads, sel, scale)
         return loss
 
-    def _update(self, b: Bucket, grads, sel) -> None:
+    def _update(self, b: Bucket, grads, sel, scale=None) -> None:
         g = b.group
         hp = (float(g["lr"]), *g["betas"], g["eps"], g["weight_decay"], g["step"])
         weights, m, v = sel(b.weights), sel(b.exp_avg), sel(b.exp_avg_sq)
         masters = sel(b.masters) if b.masters else []
-        if self._te is not None:  # TE's kernels read and write bf16 moments directly
+        writer = self._fp8_writer(weights) if b.kind == "quantized" else None
+        if scale is not None and writer != "triton":
+            torch._foreach_mul_(grads, scale)
+        if writer == "triton":
+            triton_adam.adam_fp8_(grads, weights, masters, m, v, *hp, grad_scale=scale)
+        elif self._te is not None:  # TE's kernels read and write bf16 moments directly
             self._te_update(b.kind, grads, weights, masters, m, v, *hp)
         else:
             self._torch_update(b.kind, grads, weights, masters, m, v, *hp)
-        if b.kind == "quantized" and self._fp8_writer(weights) is None:
+        if b.kind == "quantized" and writer is None:
             for w, master in zip(weights, masters):
                 w.quantize_(master)
 
@@ -255,9 +267,6 @@ class FusedAdam(torch.optim.Optimizer):
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam
         elif kind == "lowp_remain":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam_param_remainder
-        elif writer == "triton":
-            triton_adam.adam_fp8_(grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step)
-            return
         elif writer == "te":  # delayed scaling, FP32 moments: master update + FP8 write
             q = [w._quantizer for w in weights]
             lists = [grads, [w._data for w in weights], m, v, masters, [x.scale for x in q], [x.amax for x in q],

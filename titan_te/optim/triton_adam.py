@@ -36,12 +36,14 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adam_fp8(g_ptr, p_ptr, m_ptr, v_ptr, q_ptr, scale_ptr, amax_ptr, scale_inv_ptr, n, lr, beta1, beta2, eps,
-                 wd, bc1, bc2, fp8_max, BLOCK: tl.constexpr):
+    def adam_fp8(g_ptr, p_ptr, m_ptr, v_ptr, q_ptr, scale_ptr, amax_ptr, scale_inv_ptr, gscale_ptr, n, lr, beta1,
+                 beta2, eps, wd, bc1, bc2, fp8_max, HAS_GSCALE: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GSCALE:  # the gradient-clipping coefficient, applied here instead of in a pass of its own
+            g = g * tl.load(gscale_ptr)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -67,9 +69,11 @@ def fp8_storage_dtype(weight) -> torch.dtype:
     return torch.float8_e5m2 if weight._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
 
 
-def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step) -> None:
+def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step,
+              grad_scale: torch.Tensor | None = None) -> None:
     """Update FP32 masters and moments in place and write each delayed-scaling Float8Tensor weight
-    from its new master (one launch per tensor)."""
+    from its new master (one launch per tensor); the gradients are read times `grad_scale` (a device
+    scalar) when given."""
     kernel = _kernel()
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
     for g, w, p, m, v in zip(grads, weights, masters, exp_avgs, exp_avg_sqs):
@@ -78,10 +82,8 @@ def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, 
             continue
         dtype = fp8_storage_dtype(w)
         q = w._quantizer
-        kernel[(triton_cdiv(n, BLOCK),)](g, p, m, v, w._data.view(dtype), q.scale, q.amax, w._scale_inv, n, lr,
-                                         beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[dtype], BLOCK=BLOCK, num_warps=8)
+        gscale = grad_scale if grad_scale is not None else q.scale  # any pointer when unused
+        kernel[(-(-n // BLOCK),)](g, p, m, v, w._data.view(dtype), q.scale, q.amax, w._scale_inv, gscale, n, lr,
+                                  beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[dtype], HAS_GSCALE=grad_scale is not None,
+                                  BLOCK=BLOCK, num_warps=8)
         w._reset_caches()  # a cached FP8 transpose is stale now
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
