@@ -75,37 +75,40 @@ def _rows(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool, kernel: 
     return rows.sum(), logits if write_grad else None
 
 
+def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bool, need_w: bool):
+    """(summed loss, its gradient w.r.t. hidden or None, w.r.t. weight or None), chunk by chunk."""
+    dtype = _compute_dtype(hidden)
+    h, w = hidden.to(dtype), weight.to(dtype)
+    n = h.shape[0]
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if need_h else None
+    grad_w = None
+    # the weight gradient adds up over chunks in FP32 (inside the GEMM where torch can)
+    fp32_gemm = dtype != torch.float32 and h.is_cuda and _fp32_accumulating_addmm(h.device.type)
+    with torch.autocast(h.device.type, enabled=False):
+        for start in range(0, n, chunk):
+            hc, lc = h[start:start + chunk], labels[start:start + chunk]
+            part, dlogits = _rows(hc @ w.t(), lc, need_h or need_w, kernel)
+            loss += part
+            if dlogits is None:
+                continue
+            if need_h:
+                torch.mm(dlogits, w, out=grad_h[start:start + chunk])
+            if need_w:
+                if grad_w is None:
+                    grad_w = torch.zeros(w.shape, dtype=torch.float32 if fp32_gemm else dtype, device=w.device)
+                if fp32_gemm:
+                    grad_w = torch.addmm(grad_w, dlogits.t(), hc, out_dtype=torch.float32)
+                else:
+                    grad_w.addmm_(dlogits.t(), hc)
+            del dlogits
+    return loss, grad_h, None if grad_w is None else grad_w.to(weight.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk, kernel):
-        dtype = _compute_dtype(hidden)
-        h, w = hidden.to(dtype), weight.to(dtype)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n = h.shape[0]
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = None
-        # the weight gradient adds up over chunks in FP32 (inside the GEMM where torch can)
-        fp32_gemm = dtype != torch.float32 and h.is_cuda and _fp32_accumulating_addmm(h.device.type)
-        with torch.autocast(h.device.type, enabled=False):
-            for start in range(0, n, chunk):
-                hc, lc = h[start:start + chunk], labels[start:start + chunk]
-                part, dlogits = _rows(hc @ w.t(), lc, need_h or need_w, kernel)
-                loss += part
-                if dlogits is None:
-                    continue
-                if need_h:
-                    torch.mm(dlogits, w, out=grad_h[start:start + chunk])
-                if need_w:
-                    if grad_w is None:
-                        grad_w = torch.zeros(w.shape, dtype=torch.float32 if fp32_gemm else dtype, device=w.device)
-                    if fp32_gemm:
-                        grad_w = torch.addmm(grad_w, dlogits.t(), hc, out_dtype=torch.float32)
-                    else:
-                        grad_w.addmm_(dlogits.t(), hc)
-                del dlogits
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, labels, chunk, kernel, *ctx.needs_input_grad[:2])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_dtype = hidden.dtype
         return loss
@@ -131,4 +134,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     if kernel is None:
         kernel = h.is_cuda and ce_kernel.available()
     chunk = chunk or chunk_tokens(weight.shape[0], h.shape[0], kernel)
+    if not torch.is_grad_enabled():  # validation: the loss only
+        return _loss_and_grads(h, weight, labels, chunk, kernel, False, False)[0]
     return _LinearCrossEntropy.apply(h, weight, labels, chunk, kernel)
