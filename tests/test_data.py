@@ -79,6 +79,34 @@ def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_
     assert f"vocab {padded_vocab(tok.vocab_size)}" in r.stdout and "step      2" in r.stdout
 
 
+def _tiktoken_file(path):
+    """A tiktoken BPE file: every byte, then merges of frequent English pairs (token base64 + rank)."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b"in", b"an", b" the", b"er"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {rank}\n" for rank, t in enumerate(tokens)))
+    return path, len(tokens)
+
+
+def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
+    from titan_te.data import TOKENIZERS
+
+    path, ranks = _tiktoken_file(tmp_path / "tokenizer.model")
+    tok = TOKENIZERS.get("tiktoken")(dcfg(tokenizer="tiktoken", tokenizer_path=str(path)))
+    assert tok.vocab_size == ranks + 256 and (tok.bos_id, tok.eos_id) == (ranks, ranks + 1)
+    ids = tok.encode("the other theme")
+    assert ranks - 2 in ids.tolist() and ids.max() < ranks  # " the" merged; never a special id from text
+    assert tok.decode(ids) == "the other theme"
+    assert [t.tolist() for t in tok.encode_batch(["the", "in"])] == [[ranks - 5], [ranks - 4]]
+    corpus = write_corpus(tmp_path / "c")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
+                        "--training.seq_len=16", "--training.local_batch_size=2", "--data.dataset=files",
+                        f"--data.path={corpus}", "--data.tokenizer=tiktoken", f"--data.tokenizer_path={path}",
+                        "--metrics.log_freq=1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokenizer tiktoken (vocab 519)" in r.stdout and "step      2" in r.stdout
+
+
 def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, tmp_path):
     from titan_te.data import DATASETS, TOKENIZERS
 

@@ -68,3 +68,28 @@ def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path):
     assert trace.is_file() and "trace of steps 2-3" in out
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in str(e.get("name", "")) for e in events)
+
+
+def _tb_run(rank, world, tmp, rank_0_only):
+    from helpers import make_cfg
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, training={"steps": 3},
+                   metrics={"enable_tensorboard": True, "rank_0_only": rank_0_only})
+    with Trainer(cfg) as tr:
+        return tr.train()
+
+
+@pytest.mark.parametrize("rank_0_only", [True, False])
+def test_rank_0_only_decides_which_ranks_write_tensorboard(rank_0_only, tmp_path):
+    from helpers import run_ranks
+
+    losses = run_ranks(_tb_run, 2, str(tmp_path), rank_0_only)
+    tb = tmp_path / "t" / "tb"
+    folders = [tb] if rank_0_only else [tb / "rank_0", tb / "rank_1"]
+    assert sorted(p.parent for p in tb.rglob("events.out.tfevents.*")) == sorted(folders)
+    for folder in folders:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        # the global loss is the same on every rank, and each writer logs it for every step
+        assert [e.value for e in acc.Scalars("loss_metrics/global_avg_loss")] == pytest.approx(losses[0], abs=1e-6)

@@ -1,7 +1,10 @@
+import json
+
 import pytest
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from helpers import make_cfg, run_ranks
 from titan_te.init_weights import init_weights
@@ -130,13 +133,13 @@ def test_llama3_rope_scaling_slows_low_frequencies():
     assert torch.allclose(scaled[a.head_dim // 2 - 1], plain[a.head_dim // 2 - 1] / 8)  # lowest divided by 8
 
 
-def _tiny(rank, world, tmp, until):
+def _tiny(rank, world, tmp, until, name="tiny_lm", more=None):
     from titan_te.trainer import Trainer
 
-    cfg = make_cfg(tmp, world=world, job={"custom_import": "tiny_lm"}, model={"name": "tiny_lm", "flavor": "tiny"},
+    cfg = make_cfg(tmp, world=world, job={"custom_import": "tiny_lm"}, model={"name": name, "flavor": "tiny"},
                    training={"steps": 6, "deterministic": True, "global_batch_size": 4},
                    lr_scheduler={"warmup_steps": 2},
-                   checkpoint={"enable": True, "interval": 3})
+                   checkpoint={"enable": True, "interval": 3, **(more or {})})
     with Trainer(cfg) as tr:
         start = tr.state.step
         return start, tr.train(until_step=until), type(tr.model).__name__
@@ -147,7 +150,7 @@ def test_a_second_model_family_from_custom_import_trains_checkpoints_and_resumes
     ref = run_ranks(_tiny, 1, str(tmp_path / "ref"), None)[0]
     first = run_ranks(_tiny, 2, str(tmp_path / "run"), 3)[0]  # stops after step 3, as a crash would
     second = run_ranks(_tiny, 2, str(tmp_path / "run"), None)[0]
-    assert ref[2] == "TinyLM" and first[2] == "FSDPTinyLM"  # one rank trains unsharded, two under FSDP2
+    assert ref[2] == "FSDPTinyLM"
     assert first[0] == 0 and second[0] == 3
     assert ref[1][-1] < ref[1][0]
     resumed = first[1] + second[1]
@@ -166,10 +169,40 @@ def test_a_second_model_family_keeps_its_own_flavors():
 def test_export_of_a_model_without_a_hugging_face_adapter_is_one_clear_line(tmp_path, capsys):
     from titan_te.export import main as export_main
 
-    run_ranks(_tiny, 1, str(tmp_path), 3)
+    run_ranks(_tiny, 1, str(tmp_path), 3, "tiny_lm_bare")
     assert export_main(["--checkpoint", str(tmp_path / "t/checkpoint/step-3"), "--out", str(tmp_path / "hf")]) == 2
-    assert capsys.readouterr().err.strip() == ("export error: model tiny_lm has no Hugging Face adapter "
+    assert capsys.readouterr().err.strip() == ("export error: model tiny_lm_bare has no Hugging Face adapter "
                                                "(ModelSpec.hf), so it cannot be exported")
+
+
+def test_a_second_model_family_exports_through_its_adapter_and_starts_a_run_from_it(tmp_path):
+    """Export of tiny_lm's 2-rank checkpoint through its own adapter, then a new run starting from that
+    folder (checkpoint.initial_load_path) has the exported weights."""
+    from safetensors.torch import load_file
+
+    from titan_te.export import main as export_main
+
+    run_ranks(_tiny, 2, str(tmp_path / "run"), None)
+    hf = tmp_path / "hf"
+    assert export_main(["--checkpoint", str(tmp_path / "run/t/checkpoint/step-6"), "--out", str(hf)]) == 0
+    config = json.loads((hf / "config.json").read_text())
+    tensors = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert config["model_type"] == "tiny_lm" and config["num_hidden_layers"] == 2 and config["bos_token_id"] == 256
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.1.down.bias"} <= set(tensors)
+    weights = run_ranks(_tiny_weights, 1, str(tmp_path / "fresh"), str(hf))[0]
+    assert len(weights) == len(tensors)
+    assert torch.equal(weights["embed.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(weights["layers.1.down.bias"], tensors["model.layers.1.down.bias"])
+
+
+def _tiny_weights(rank, world, tmp, hf_folder):
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, job={"custom_import": "tiny_lm"}, model={"name": "tiny_lm", "flavor": "tiny"},
+                   checkpoint={"initial_load_path": hf_folder})
+    with Trainer(cfg) as tr:
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in tr.model.state_dict().items()}
 
 
 def test_flavors_with_a_fixed_vocabulary_refuse_a_bigger_tokenizer():

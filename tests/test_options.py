@@ -50,9 +50,9 @@ def plain(tmp_path_factory):
 @pytest.mark.parametrize("sections", [
     {"activation_checkpoint": {"mode": "full"}},
     {"activation_checkpoint": {"mode": "every_n", "every_n": 2}},
-    {"parallelism": {"reshard_after_forward": False, "shard_one_rank": True}},
-    {"parallelism": {"shard_one_rank": True}},
-], ids=["ac-full", "ac-every-2", "no-reshard-after-forward", "fsdp-on-one-rank"])
+    {"parallelism": {"reshard_after_forward": False}},
+    {"parallelism": {"unsharded_one_rank": True}},
+], ids=["ac-full", "ac-every-2", "no-reshard-after-forward", "unsharded-one-rank"])
 def test_memory_options_keep_the_losses(sections, plain, tmp_path):
     assert run_ranks(_losses, 1, str(tmp_path), sections)[0] == pytest.approx(plain, rel=1e-6)
 
@@ -71,10 +71,17 @@ def _parallel_of(rank, world, tmp, sections):
         return tr.parallel, any(isinstance(p, DTensor) for p in tr.model.parameters())
 
 
-def test_fsdp_on_one_rank_trains_unsharded_unless_asked():
+def test_fsdp_on_one_rank_shards_unless_unsharded_is_asked_for():
     import tempfile
 
+    unsharded = {"parallelism": {"unsharded_one_rank": True}}
     with tempfile.TemporaryDirectory() as tmp:
-        assert run_ranks(_parallel_of, 1, tmp, {})[0] == ("none", False)
-        assert run_ranks(_parallel_of, 1, tmp, {"parallelism": {"shard_one_rank": True}})[0] == ("fsdp", True)
-        assert run_ranks(_parallel_of, 2, tmp, {})[0] == ("fsdp", True)
+        assert run_ranks(_parallel_of, 1, tmp, {})[0] == ("fsdp", True)
+        assert run_ranks(_parallel_of, 1, tmp, unsharded)[0] == ("none", False)
+        assert run_ranks(_parallel_of, 2, tmp, unsharded)[0] == ("fsdp", True)  # only a world of one
+
+
+def test_compile_keeps_the_losses(plain, tmp_path):
+    """compile.enable: torch.compile of each block (inductor on the CPU) gives the eager losses."""
+    compiled = run_ranks(_losses, 1, str(tmp_path), {"compile": {"enable": True}})[0]
+    assert compiled == pytest.approx(plain, rel=1e-4)

@@ -103,11 +103,8 @@ PRESET_FP8 = {"fp8.params": True, "optimizer.name": "fused_adam", "optimizer.mom
 
 @pytest.mark.parametrize("recipe,extra", [
     ("delayed", {}), ("current", {}), ("block", {}),
-    ("delayed", {"fp8.attention": True}),  # FP8 attention (head_dim 64 at the 1B shape)
     ("delayed", PRESET_FP8),  # the presets: FP8 weights, bf16 moments (the Triton update), fused head
-    ("delayed", {**PRESET_FP8, "parallelism.shard_one_rank": True}),  # the same under FSDP2 (FP8 all-gathers)
-], ids=["delayed", "current", "block", "delayed-fp8-attention", "delayed-preset-optimizer",
-        "delayed-preset-optimizer-fsdp"])
+], ids=["delayed", "current", "block", "delayed-preset-optimizer"])
 def test_fp8_tracks_bf16_over_200_steps(recipe, extra, bf16_1b, tmp_path):
     fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": recipe, **extra})[0]
     end_bf16, end_fp8 = sum(bf16_1b[-10:]) / 10, sum(fp8[-10:]) / 10
@@ -115,6 +112,39 @@ def test_fp8_tracks_bf16_over_200_steps(recipe, extra, bf16_1b, tmp_path):
     print(f"{recipe}: bf16 {bf16_1b[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
     assert end_bf16 < 0.6 * bf16_1b[0]
     assert gap < 0.02
+
+
+def test_unsharded_one_rank_trains_fp8_weights(bf16_1b, tmp_path):
+    """parallelism.unsharded_one_rank (no FSDP on one GPU, under autocast) with the presets' FP8 setting.
+    Measured on the H200 (2026-12-04): a 2.1% gap to bf16 after 200 steps where FSDP gives 0.5%, so its
+    bound here is wider and the option stays experimental."""
+    fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": "delayed", **PRESET_FP8,
+                                                  "parallelism.unsharded_one_rank": True})[0]
+    end_bf16, end_fp8 = sum(bf16_1b[-10:]) / 10, sum(fp8[-10:]) / 10
+    gap = abs(end_fp8 - end_bf16) / end_bf16
+    print(f"unsharded: bf16 {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
+    assert end_fp8 < 0.6 * fp8[0] and gap < 0.05
+
+
+def _train_head128(rank, world, tmp, overrides):
+    """One block of the 8B flavor (head_dim 128), 200 steps."""
+    return _train_1b(rank, world, tmp, {"model.flavor": "8B", "model.n_layers": 1, **overrides})
+
+
+def test_fp8_attention_tracks_bf16_at_head_dim_128(tmp_path):
+    bf16 = run_ranks(_train_head128, 1, str(tmp_path / "bf16"), {})[0]
+    fp8 = run_ranks(_train_head128, 1, str(tmp_path / "fp8"), {"fp8.enable": True, "fp8.attention": True})[0]
+    end_bf16, end_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
+    gap = abs(end_fp8 - end_bf16) / end_bf16
+    print(f"fp8 attention: bf16 {bf16[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
+    assert end_bf16 < 0.6 * bf16[0] and gap < 0.02
+
+
+def test_fp8_attention_refuses_head_dim_64_in_one_line(tmp_path):
+    from titan_te.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8.attention: Transformer Engine's FP8 attention takes head_dim 128"):
+        _train_1b(0, 1, str(tmp_path), {"fp8.enable": True, "fp8.attention": True})
 
 
 def _fp8_weights_run(rank, world, tmp, mode, until):

@@ -1,6 +1,7 @@
 """A second model family, registered the way a user would (`--job.custom_import=tiny_lm`): not a Llama.
 
-Blocks mix tokens causally with a running mean, then apply an MLP; flavors of its own ("tiny").
+Blocks mix tokens causally with a running mean, then apply an MLP; flavors of its own ("tiny"); a Hugging
+Face adapter in tiny_lm_hf.py (registered again as tiny_lm_bare without one).
 """
 from dataclasses import dataclass, replace
 
@@ -70,4 +71,8 @@ def build(args, backend, **_):
 
 FLAVORS = {"tiny": TinyArgs()}
 if "tiny_lm" not in MODELS:
-    MODELS.register("tiny_lm")(ModelSpec(name="tiny_lm", flavors=FLAVORS, build=build, resolve_args=resolve_args))
+    MODELS.register("tiny_lm")(ModelSpec(name="tiny_lm", flavors=FLAVORS, build=build, resolve_args=resolve_args,
+                                         hf="tiny_lm_hf"))
+    # the same family without a Hugging Face adapter
+    MODELS.register("tiny_lm_bare")(ModelSpec(name="tiny_lm_bare", flavors=FLAVORS, build=build,
+                                              resolve_args=resolve_args))

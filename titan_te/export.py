@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -81,15 +80,11 @@ def model_spec(cfg: config_mod.Config):
     return spec
 
 
-def model_args_for(cfg: config_mod.Config, state: dict, flavors: dict):
-    if cfg.model.flavor not in flavors:
+def model_args_for(cfg: config_mod.Config, state: dict, spec):
+    """The flavor's args, sized by the adapter from the checkpoint's tensors (blocks, vocabulary)."""
+    if cfg.model.flavor not in spec.flavors:
         raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a flavor of {cfg.model.name}")
-    args = flavors[cfg.model.flavor]
-    layers = [int(k.split(".")[1]) for k in state if k.startswith("layers.")]
-    if "tok_embeddings.weight" not in state or not layers:
-        raise ExportError("the checkpoint holds no Llama model weights")
-    return replace(args, vocab_size=state["tok_embeddings.weight"].shape[0], n_layers=1 + max(layers),
-                   max_seq_len=max(args.max_seq_len, cfg.training.seq_len))
+    return importlib.import_module(spec.hf).export_args(spec.flavors[cfg.model.flavor], state, cfg.training.seq_len)
 
 
 def _not_a_checkpoint(path: Path) -> str:
@@ -113,7 +108,7 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
     cfg, _ = run_config(ckpt)
     spec = model_spec(cfg)
     hf_io = importlib.import_module(spec.hf)
-    args = model_args_for(cfg, state, spec.flavors)
+    args = model_args_for(cfg, state, spec)
     tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
     dtype = getattr(torch, dtype_name)
     hf = {k: v.to(dtype) for k, v in hf_io.to_hf(state, args).items()}

@@ -12,6 +12,7 @@ Both sides use the rotate-half RoPE layout, so q/k need no permutation.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,17 @@ from safetensors import SafetensorError
 from titan_te.init_weights import local_shard
 
 SHARD_BYTES = 5 * 2**30
+
+
+def export_args(args, state: dict, seq_len: int):
+    """The flavor's args sized from a checkpoint's full state (its blocks and vocabulary)."""
+    from titan_te.errors import ExportError
+
+    layers = [int(k.split(".")[1]) for k in state if k.startswith("layers.")]
+    if "tok_embeddings.weight" not in state or not layers:
+        raise ExportError("the checkpoint holds no Llama model weights")
+    return replace(args, vocab_size=state["tok_embeddings.weight"].shape[0], n_layers=1 + max(layers),
+                   max_seq_len=max(args.max_seq_len, seq_len))
 
 
 def to_hf(sd: dict, args) -> dict:

@@ -154,6 +154,10 @@ class Trainer:
         self.model_spec = spec = MODELS.get(cfg.model.name)
         self.model_args = spec.resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
                                             cfg.model.n_layers)
+        head_dim = getattr(self.model_args, "head_dim", None)
+        if cfg.fp8.attention and head_dim not in (None, 128):
+            raise ConfigError(f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), "
+                              f"the {cfg.model.flavor} flavor's is {head_dim}; set --fp8.attention=false")
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
         check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, env.mesh.size(1),
                    local_world())
@@ -170,7 +174,7 @@ class Trainer:
             apply_compile(model, self.backend)
         mp = mixed_precision(device_type, t.mixed_precision_param, t.mixed_precision_reduce)
         parallel = PARALLELISMS.get(cfg.parallelism.data_parallel)
-        if env.world_size == 1 and parallel.one_rank and not cfg.parallelism.shard_one_rank:
+        if env.world_size == 1 and parallel.one_rank and cfg.parallelism.unsharded_one_rank:
             parallel = PARALLELISMS.get(parallel.one_rank)
         self.parallel = parallel.name
         self.train_model = parallel.apply(model, env, cfg.parallelism, mp)
@@ -253,7 +257,7 @@ class Trainer:
         logger.info(f"model {self.cfg.model.name} {self.cfg.model.flavor}: {n / 1e6:,.1f} M parameters, "
                     f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
         ran = "" if self.parallel == p.data_parallel else \
-            f" (one rank: runs as {self.parallel}, without FSDP's copies; --parallelism.shard_one_rank=true keeps it)"
+            f" (parallelism.unsharded_one_rank: runs as {self.parallel}, without FSDP's copies)"
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
                     f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}")
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "

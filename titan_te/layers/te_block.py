@@ -84,7 +84,6 @@ def te_block(args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.fl
             params_dtype=params_dtype,
             device="meta",
         )
-    block.layer_id = layer_id
     block.fp8_disabled = keep_bf16
     block.fp8_params = fp8 is not None and fp8.cfg.params and not keep_bf16
     return block

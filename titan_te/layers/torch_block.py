@@ -37,7 +37,7 @@ class LayerNormLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_dim, in_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.weight)
+        return F.linear(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight.to(x.dtype), self.eps), self.weight)
 
 
 class SelfAttention(nn.Module):
@@ -70,7 +70,7 @@ class LayerNormMLP(nn.Module):
         self.fc2_weight = nn.Parameter(torch.empty(args.dim, args.ffn_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), self.fc1_weight)
+        h = F.linear(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight.to(x.dtype), self.eps), self.fc1_weight)
         gate, up = h.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.fc2_weight)
 
@@ -79,7 +79,6 @@ class TorchBlock(nn.Module):
     def __init__(self, args, layer_id: int, fp8=None, params_dtype: torch.dtype = torch.float32,
                  document_mask: bool = False):
         super().__init__()
-        self.layer_id = layer_id
         self.self_attention = SelfAttention(args)
         self.layernorm_mlp = LayerNormMLP(args)
 

@@ -7,7 +7,10 @@ A family registers (usually from a module named by `job.custom_import`):
   vocabulary, the sequence length, an optional block-count override);
 - `build(args, backend, document_mask=, fp8=, params_dtype=)`: the module, called under the meta
   device; it follows `Model` below;
-- `hf`: an optional Hugging Face adapter (export and `checkpoint.initial_load_path`); None: not offered;
+- `hf`: the module name of an optional Hugging Face adapter (export and `checkpoint.initial_load_path`),
+  None: not offered. It has `export_args(flavor_args, full_state, seq_len)` (the args sized from a
+  checkpoint), `to_hf(full_state, args)` (HF tensor names), `hf_config(args, dtype_name)` (config.json)
+  and `load_hf_weights(model, folder, write)`; titan_te/hf_io.py is Llama's, tests/tiny_lm_hf.py a small one;
 - `computes_loss`: the forward also takes `labels=` and then returns the summed cross-entropy over the
   valid tokens itself (a fused head that never builds the logits); otherwise the trainer computes it
   from the returned logits.
@@ -46,7 +49,7 @@ class ModelSpec:
     flavors: dict[str, Any]  # flavor name -> model args dataclass
     build: Callable[..., Any]  # build(args, backend_name, **kw) -> nn.Module (call under the meta device)
     resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
-    hf: Any = None  # module or object with to_hf / load_hf_weights / hf_config; None: no HF export or import
+    hf: str | None = None  # the adapter module (see above); None: no HF export or import
     computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from titan_te.errors import ConfigError
 from titan_te.loss import linear_cross_entropy_sum
@@ -137,7 +138,10 @@ class Llama(nn.Module):
             mask = self.document_mask(doc_start)
         for block in self.layers.values():
             h = block(h, rope, mask)
-        return self.output(self.norm(h), labels)
+        # the norm weight in the activations' dtype, as FSDP's parameter cast gives it (under autocast an
+        # FP32 weight would send rms_norm down its unfused path)
+        h = F.rms_norm(h, (h.shape[-1],), self.norm.weight.to(h.dtype), self.norm.eps)
+        return self.output(h, labels)
 
 
 def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **block_options) -> Llama:

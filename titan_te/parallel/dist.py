@@ -17,13 +17,8 @@ from titan_te.errors import ConfigError, UserError
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     mesh: DeviceMesh  # 2-D: ("dp_replicate", "dp_shard")
-
-    @property
-    def device_type(self) -> str:
-        return self.device.type
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +69,7 @@ def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: in
                               f"another job may hold the port: pick one with MASTER_PORT or torchrun "
                               f"--master_port") from None
     mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, mesh=mesh)
+    return DistEnv(rank=rank, world_size=world, device=device, mesh=mesh)
 
 
 def shutdown(clean: bool = True) -> None:
