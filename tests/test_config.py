@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -141,4 +142,48 @@ def test_help_lists_the_registered_names(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "registered: block, current, delayed, mxfp8, nvfp4" in out
-    assert "registered: ddp, fsdp, hsdp, none" in out and "registered: adamw, fused_adam, te_fused_adam" in out
+    assert "registered: ddp, fsdp, hsdp, none" in out and "registered: adamw, fused_adam, sgd, te_fused_adam" in out
+
+
+def test_a_component_declares_its_own_options_section(tmp_path):
+    """[optimizer.sgd] holds SGD's own options (momentum does not borrow optimizer.beta1): TOML and CLI,
+    typed and bounded, listed in --help, written back by --print-config."""
+    toml = tmp_path / "sgd.toml"
+    toml.write_text('[optimizer]\nname = "sgd"\n\n[optimizer.sgd]\nmomentum = 0.5\nnesterov = true\n')
+    cfg, _ = C.load(["--config", str(toml), "--optimizer.sgd.momentum=0.9"])
+    opts = C.component_options(cfg, "optimizer", "sgd")
+    assert (opts.momentum, opts.dampening, opts.nesterov) == (0.9, 0.0, True)  # CLI > TOML > defaults
+    again = C.build(tomllib.loads(C.to_toml(cfg)), [])
+    assert C.component_options(again, "optimizer", "sgd") == opts
+    assert "--optimizer.sgd.momentum (float, default 0.0; with optimizer sgd)" in C.help_text()
+    for argv, message in [
+        (["--optimizer.sgd.momentun=0.9"], "unknown key optimizer.sgd.momentun (did you mean 'momentum'?)"),
+        (["--optimizer.sgd.momentum=1.5"], "optimizer.sgd.momentum must be within [0, 1)"),
+        (["--optimizer.sgd.momentum=fast"], "optimizer.sgd.momentum expects float, got 'fast'"),
+        (["--optimizer.sgd.nesterov=true"], "[optimizer.sgd]: nesterov = true needs momentum > 0"),
+        (["--optimizer.sdg.momentum=0.9"], "[optimizer.sdg]: no registered component of [optimizer] is named 'sdg' "
+                                           "(did you mean 'sgd'?)"),
+        (["--optimizer.adamw.momentum=0.9"], "[optimizer.adamw]: adamw declares no options of its own"),
+        (["--optimizer.sgd.momentum.x=1"], "a component's option is optimizer.<component>.<key>"),
+    ]:
+        with pytest.raises(C.ConfigError, match=re.escape(message)):
+            C.load(argv)
+
+
+def _sgd_run(rank, world, tmp, momentum):
+    from helpers import make_cfg
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, optimizer={"name": "sgd", "lr": 0.05}, training={"steps": 4, "deterministic": True})
+    cfg.components["optimizer.sgd"] = {"momentum": (momentum, "<test>")}
+    with Trainer(cfg) as tr:
+        return tr.optimizer.param_groups[0]["momentum"], tr.train()
+
+
+def test_the_optimizer_receives_its_own_options(tmp_path):
+    from helpers import run_ranks
+
+    (m0, plain), (m9, heavy) = (run_ranks(_sgd_run, 1, str(tmp_path / str(m)), m)[0] for m in (0.0, 0.9))
+    assert (m0, m9) == (0.0, 0.9)
+    assert plain[0] == heavy[0] and plain[1] == heavy[1]  # momentum acts from the second update on
+    assert plain[3] != pytest.approx(heavy[3], rel=1e-4)

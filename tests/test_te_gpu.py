@@ -290,3 +290,20 @@ def test_triton_fp8_adam_matches_te_update_plus_requantization():
         assert same > 0.999
         torch.testing.assert_close(amax, ramax, rtol=1e-6, atol=0)
         torch.testing.assert_close(sinv, rsinv)
+
+
+def _bf16_layer_flags(rank, world, tmp, layers):
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, model={"backend": "te", "n_layers": 4}, training={"steps": 20},
+                   fp8={"enable": True, "bf16_layers": layers})
+    with Trainer(cfg) as tr:
+        losses = tr.train()
+        return [b.fp8_disabled for b in tr.model.layers.values()], losses
+
+
+def test_fp8_bf16_layers_keeps_the_chosen_blocks_out_of_fp8(tmp_path):
+    flags, losses = run_ranks(_bf16_layer_flags, 1, str(tmp_path / "a"), [0, -1])[0]
+    all_fp8, fp8_losses = run_ranks(_bf16_layer_flags, 1, str(tmp_path / "b"), [])[0]
+    assert flags == [True, False, False, True] and all_fp8 == [False] * 4
+    assert losses[-1] < 0.8 * losses[0] and losses != fp8_losses

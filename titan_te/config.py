@@ -275,13 +275,17 @@ class Config:
     @property
     def run_folder(self) -> Path:
         return Path(self.job.dump_folder) / self.job.name
+    # the own options of registered components, as set: "optimizer.sgd" -> {key: (value, where it was set)};
+    # typed and checked against the component's options dataclass by component_options()
+    components: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
 # Field helpers
 # ---------------------------------------------------------------------------------------------
 def sections() -> dict[str, type]:
-    return {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
+            if dataclasses.is_dataclass(f.default_factory)}
 
 
 def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
@@ -361,6 +365,25 @@ def _unknown_key_hint(section: str, key: str, secs: dict, cli: bool) -> str:
     return f" (did you mean '{dash}{section}.{close[0]}'?)" if close else ""
 
 
+def _registry_fields(section_cls: type) -> list[str]:
+    return [f.metadata["registry"] for f in _fields(section_cls).values() if f.metadata.get("registry")]
+
+
+def _set_component(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    """[section.<component>] / --section.<component>.<key>: kept as set, typed once the component's
+    registry (custom imports included) is known."""
+    if isinstance(value, dict):  # a TOML table [optimizer.sgd]
+        for k, v in value.items():
+            _set_component(cfg, section, f"{key}.{k}", v, where)
+        return
+    comp, _, sub = key.partition(".")
+    if not sub or "." in sub:
+        raise ConfigError(f"'{section}.{key}': a component's option is {section}.<component>.<key> ({where})")
+    if not _registry_fields(sections()[section]):
+        raise ConfigError(f"unknown key {section}.{key}: [{section}] has no components with options ({where})")
+    cfg.components.setdefault(f"{section}.{comp}", {})[sub] = (value, where)
+
+
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     cli = where == "on the command line"
     if "." not in dotted:
@@ -370,6 +393,9 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
     if section not in secs:
         raise ConfigError(f"unknown section [{section}]{_closest(section, list(secs))} ({where})")
     flds = _fields(secs[section])
+    if "." in key or (isinstance(value, dict) and key not in flds):
+        _set_component(cfg, section, key, value, where)
+        return
     if key not in flds:
         raise ConfigError(f"unknown key {section}.{key}{_unknown_key_hint(section, key, secs, cli)} ({where})")
     tp = _type_of(secs[section], key)
@@ -517,6 +543,50 @@ def _check_job_name(name: str, where: str) -> None:
                           f"the run folder is <job.dump_folder>/<job.name> {where}")
 
 
+def _component_spec(section: str, name: str):
+    """The registry entry `name` of one of the section's registries (e.g. OPTIMIZERS for [optimizer]), or None."""
+    for spec in _registry_fields(sections()[section]):
+        reg = _registry(spec)
+        if name in reg:
+            return reg.get(name)
+    return None
+
+
+def component_options(cfg: Config, section: str, name: str, where: str = ""):
+    """The options object of the registered component `name` of [section] (its spec's `options`
+    dataclass, defaults overridden by [section.<name>]), or None when it declares none."""
+    spec = _component_spec(section, name)
+    cls = getattr(spec, "options", None)
+    if cls is None:
+        return None
+    out = cls()
+    flds = _fields(cls)
+    for key, (value, set_where) in cfg.components.get(f"{section}.{name}", {}).items():
+        if key not in flds:
+            raise ConfigError(f"unknown key {section}.{name}.{key}{_closest(key, list(flds))}; {name}'s options: "
+                              f"{', '.join(flds)} ({set_where})")
+        setattr(out, key, _coerce(value, _type_of(cls, key), f"{section}.{name}.{key}", set_where))
+    for key, f in flds.items():
+        _check_field(f"{section}.{name}.{key}", f, getattr(out, key), where)
+    problem = out.check() if hasattr(out, "check") else ""
+    if problem:
+        raise ConfigError(f"[{section}.{name}]: {problem} {where}")
+    return out
+
+
+def _check_components(cfg: Config, where: str) -> None:
+    for dotted in cfg.components:
+        section, name = dotted.split(".", 1)
+        spec = _component_spec(section, name)
+        if spec is None:
+            names = [n for r in _registry_fields(sections()[section]) for n in _registry(r).names()]
+            raise ConfigError(f"[{dotted}]: no registered component of [{section}] is named {name!r}"
+                              f"{_closest(name, names)} {where}")
+        if getattr(spec, "options", None) is None:
+            raise ConfigError(f"[{dotted}]: {name} declares no options of its own {where}")
+        component_options(cfg, section, name, where)
+
+
 def validate(cfg: Config, source: str) -> None:
     """Check every value and every combination; all errors surface here, before heavy work."""
     where = f"(in {source} or the command line)"
@@ -537,9 +607,24 @@ def validate(cfg: Config, source: str) -> None:
                     if item not in reg and not (key == "model.backend" and item == "auto"):
                         raise ConfigError(f"{key}: {reg.miss_message(str(item))} {where}")
     _check_values(cfg, where)
+    _check_components(cfg, where)
     from titan_te.hardware import check_hardware  # local import: keeps config light
 
     check_hardware(cfg, where)
+
+
+def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None:
+    """A value within its option's choices and bounds; no float option takes NaN or inf."""
+    if f.metadata.get("choices") and value not in f.metadata["choices"]:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"
+                          f"{_closest(str(value), list(f.metadata['choices']))} {where}")
+    b = f.metadata.get("bounds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value} {where}")
+    if b is not None and not b.holds(value):
+        raise ConfigError(f"{key} must be {b.text()}, got {number(value)} {where}")
 
 
 def _check_bounds(cfg: Config, where: str) -> None:
@@ -547,13 +632,7 @@ def _check_bounds(cfg: Config, where: str) -> None:
     for section, cls in sections().items():
         body = getattr(cfg, section)
         for name, f in _fields(cls).items():
-            value, b = getattr(body, name), f.metadata.get("bounds")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section}.{name} must be a finite number, got {value} {where}")
-            if b is not None and not b.holds(value):
-                raise ConfigError(f"{section}.{name} must be {b.text()}, got {number(value)} {where}")
+            _check_field(f"{section}.{name}", f, getattr(body, name), where)
 
 
 def _check_values(cfg: Config, where: str) -> None:
@@ -657,6 +736,13 @@ def help_text(cfg: Config | None = None, source: str = "") -> str:
             lines.append(f"      {f.metadata['doc']}")
             if f.metadata.get("registry"):  # what is registered now, custom imports included
                 lines.append(f"      registered: {', '.join(_registry(f.metadata['registry']).names())}")
+        for reg in _registry_fields(cls):  # the own options of registered components: [section.<name>]
+            for comp in _registry(reg).names():
+                opts = getattr(_registry(reg).get(comp), "options", None)
+                for name, f in (_fields(opts).items() if opts else ()):
+                    lines.append(f"  --{section}.{comp}.{name} ({_type_name(_type_of(opts, name))}, default "
+                                 f"{_toml_value(f.default)}; with {section} {comp})")
+                    lines.append(f"      {f.metadata['doc']}")
     return "\n".join(lines) + "\n"
 
 
@@ -679,6 +765,11 @@ def to_toml(cfg: Config) -> str:
         body = getattr(cfg, section)
         for f in dataclasses.fields(body):
             out.append(f"{f.name} = {_toml_value(getattr(body, f.name))}")
+        out.append("")
+    for dotted, values in cfg.components.items():  # the keys as set, typed (validation has run)
+        opts = component_options(cfg, *dotted.split(".", 1))
+        out.append(f"[{dotted}]")
+        out += [f"{key} = {_toml_value(getattr(opts, key))}" for key in values]
         out.append("")
     return "\n".join(out)
 

@@ -197,8 +197,9 @@ class Trainer:
         model.init_buffers(self.device)
 
         # 6. optimizer and LR schedule
-        self.optimizer = OPTIMIZERS.get(cfg.optimizer.name).build(list(model.named_parameters()), cfg.optimizer,
-                                                                  device_type)
+        opt_spec = OPTIMIZERS.get(cfg.optimizer.name)
+        own = {"options": config_mod.component_options(cfg, "optimizer", opt_spec.name)} if opt_spec.options else {}
+        self.optimizer = opt_spec.build(list(model.named_parameters()), cfg.optimizer, device_type, **own)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
         # 7. checkpoints: resume, or start from Hugging Face weights

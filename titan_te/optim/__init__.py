@@ -14,14 +14,17 @@ def adam_state_bytes(ocfg, low_precision_weights: bool) -> float:
 @dataclass
 class OptimizerSpec:
     name: str
-    build: Callable  # build(named_params, optimizer_cfg, device_type) -> torch.optim.Optimizer
+    # build(named_params, optimizer_cfg, device_type[, options]) -> torch.optim.Optimizer; `options` (the
+    # instance of `options` below, from [optimizer.<name>]) is passed when the spec declares options
+    build: Callable
     # state_bytes(optimizer_cfg, low_precision_weights) -> optimizer-state bytes per parameter (memory estimate)
     state_bytes: Callable = adam_state_bytes
     # seeds its FP32 masters from the pre-quantization init values (fp8.preserve_high_precision_init)
     takes_high_precision_init: bool = False
+    options: type | None = None  # a dataclass of opt() fields: this optimizer's own [optimizer.<name>] section
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")
 LR_DECAYS: Registry[Callable[[float], float]] = Registry("lr decay")  # progress in [0, 1] -> factor in [0, 1]
 
-from titan_te.optim import adamw, fused_adam, lr_schedule, te_fused_adam  # noqa: E402,F401  (register entries)
+from titan_te.optim import adamw, fused_adam, lr_schedule, sgd, te_fused_adam  # noqa: E402,F401  (register entries)
