@@ -70,13 +70,19 @@ def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_
     assert tok.bos_id == 1 and tok.eos_id == 2 and 300 <= tok.vocab_size <= 400
     assert tok.decode(tok.encode(DOCS[0])) == DOCS[0]
     assert padded_vocab(tok.vocab_size) % 64 == 0 and padded_vocab(tok.vocab_size) >= tok.vocab_size
+    out = _two_steps_with(tmp_path, "hf", hf_tokenizer_file)
+    assert f"vocab {padded_vocab(tok.vocab_size)}" in out and "step      2" in out
+
+
+def _two_steps_with(tmp_path, tokenizer: str, path) -> str:
+    """Two training steps on a written corpus with that tokenizer; returns stdout."""
     corpus = write_corpus(tmp_path / "c")
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
                         "--training.seq_len=16", "--training.local_batch_size=2", "--data.dataset=files",
-                        f"--data.path={corpus}", "--data.tokenizer=hf", f"--data.tokenizer_path={hf_tokenizer_file}",
+                        f"--data.path={corpus}", f"--data.tokenizer={tokenizer}", f"--data.tokenizer_path={path}",
                         "--metrics.log_freq=1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"vocab {padded_vocab(tok.vocab_size)}" in r.stdout and "step      2" in r.stdout
+    return r.stdout
 
 
 def _tiktoken_file(path):
@@ -98,13 +104,8 @@ def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
     assert ranks - 2 in ids.tolist() and ids.max() < ranks  # " the" merged; never a special id from text
     assert tok.decode(ids) == "the other theme"
     assert [t.tolist() for t in tok.encode_batch(["the", "in"])] == [[ranks - 5], [ranks - 4]]
-    corpus = write_corpus(tmp_path / "c")
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
-                        "--training.seq_len=16", "--training.local_batch_size=2", "--data.dataset=files",
-                        f"--data.path={corpus}", "--data.tokenizer=tiktoken", f"--data.tokenizer_path={path}",
-                        "--metrics.log_freq=1"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "tokenizer tiktoken (vocab 519)" in r.stdout and "step      2" in r.stdout
+    out = _two_steps_with(tmp_path, "tiktoken", path)
+    assert "tokenizer tiktoken (vocab 519)" in out and "step      2" in out
 
 
 def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, tmp_path):

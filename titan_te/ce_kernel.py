@@ -11,19 +11,8 @@ import functools
 
 import torch
 
+
 BLOCK = 4096
-
-
-@functools.cache
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from titan_te import ce_kernel
+from titan_te import ce_kernel, triton_support
 
 IGNORE_INDEX = -100
 CHUNK_LOGITS = 1 << 29  # logits per chunk: 2 GiB in FP32 (torch path) or 1 GiB in bf16 (Triton path)
@@ -132,7 +132,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels:
     h = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).contiguous()
     if kernel is None:
-        kernel = h.is_cuda and ce_kernel.available()
+        kernel = h.is_cuda and triton_support.available()
     chunk = chunk or chunk_tokens(weight.shape[0], h.shape[0], kernel)
     if not torch.is_grad_enabled():  # validation: the loss only
         return _loss_and_grads(h, weight, labels, chunk, kernel, False, False)[0]

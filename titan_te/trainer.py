@@ -177,7 +177,7 @@ class Trainer:
         if env.world_size == 1 and parallel.one_rank and cfg.parallelism.unsharded_one_rank:
             parallel = PARALLELISMS.get(parallel.one_rank)
         self.parallel = parallel.name
-        self.train_model = parallel.apply(model, env, cfg.parallelism, mp)
+        self.train_model = parallel.apply(model, env, cfg.parallelism, mp, spec.fsdp_units(model))
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype

@@ -43,6 +43,11 @@ class Model(Protocol):
         computes_loss: the summed cross-entropy)."""
 
 
+def blocks(model) -> list:
+    """The default FSDP wrap plan: every repeated block its own unit (the rest stays with the root)."""
+    return list(model.layers.values())
+
+
 @dataclass
 class ModelSpec:
     name: str
@@ -51,6 +56,9 @@ class ModelSpec:
     resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
     hf: str | None = None  # the adapter module (see above); None: no HF export or import
     computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
+    # the FSDP wrap plan: the submodules that become FSDP units of their own, in forward order (the root
+    # takes the rest); data parallelisms that shard receive it
+    fsdp_units: Callable[[Any], list] = blocks
 
 
 MODELS: Registry[ModelSpec] = Registry("model")

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError
 from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te import triton_support
 from titan_te.optim import triton_adam
 from titan_te.optim.param_groups import decay_groups
 
@@ -89,7 +90,7 @@ class FusedAdam(torch.optim.Optimizer):
         if use_te_kernels and kernels is None:
             raise FusedAdamError("fused_adam: TE kernels requested but Transformer Engine or CUDA is missing")
         self._te = kernels if use_te_kernels is not False else None
-        self._triton = triton and self._te is not None and triton_adam.available()
+        self._triton = triton and self._te is not None and triton_support.available()
         self._buckets: list[Bucket] | None = None
         self.grad_scale: torch.Tensor | None = None  # set by the trainer: the clip coefficient for this step
         self._noop = None

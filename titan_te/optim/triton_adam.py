@@ -14,20 +14,9 @@ import functools
 
 import torch
 
+
 BLOCK = 4096
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-@functools.cache
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache

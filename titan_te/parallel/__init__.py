@@ -8,7 +8,8 @@ from titan_te.registry import Registry
 @dataclass
 class ParallelSpec:
     name: str
-    # apply(model, dist_env, parallelism_cfg, mp_policy_dtypes) -> model, called on the meta model
+    # apply(model, dist_env, parallelism_cfg, mp_policy, units) -> model, called on the meta model; units:
+    # the model's FSDP wrap plan (ModelSpec.fsdp_units)
     apply: Callable
     casts_params: bool = False  # True when it applies the mixed-precision policy itself (FSDP2)
     multi_process: bool = True  # False: runs on one process only

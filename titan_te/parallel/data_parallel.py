@@ -15,11 +15,10 @@ from torch.nn.parallel import DistributedDataParallel
 from titan_te.parallel import PARALLELISMS, ParallelSpec
 
 
-def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy) -> nn.Module:
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
-        # The last block is needed again right at the start of backward: keep it gathered.
-        reshard = pcfg.reshard_after_forward and i < len(blocks) - 1
+def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: list) -> nn.Module:
+    for i, block in enumerate(units):
+        # The last unit is needed again right at the start of backward: keep it gathered.
+        reshard = pcfg.reshard_after_forward and i < len(units) - 1
         reshard = reshard and not getattr(block, "keep_gathered_for_recompute", False)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
@@ -30,12 +29,12 @@ def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy) -> nn.M
     return model
 
 
-def apply_fsdp(model, env, pcfg, mp):
-    return _fully_shard(model, env.mesh["dp_shard"], pcfg, mp)
+def apply_fsdp(model, env, pcfg, mp, units):
+    return _fully_shard(model, env.mesh["dp_shard"], pcfg, mp, units)
 
 
-def apply_hsdp(model, env, pcfg, mp):
-    return _fully_shard(model, env.mesh, pcfg, mp)
+def apply_hsdp(model, env, pcfg, mp, units):
+    return _fully_shard(model, env.mesh, pcfg, mp, units)
 
 
 def _sum_allreduce_hook(group, bucket):
@@ -43,7 +42,7 @@ def _sum_allreduce_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_ddp(model, env, pcfg, mp):
+def apply_ddp(model, env, pcfg, mp, units):
     model.to_empty(device=env.device)  # DDP needs real tensors to broadcast; init overwrites them
     ddp = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                   broadcast_buffers=False)
@@ -51,7 +50,7 @@ def apply_ddp(model, env, pcfg, mp):
     return ddp
 
 
-def apply_none(model, env, pcfg, mp):
+def apply_none(model, env, pcfg, mp, units):
     return model
 
 
