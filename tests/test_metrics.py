@@ -93,3 +93,14 @@ def test_rank_0_only_decides_which_ranks_write_tensorboard(rank_0_only, tmp_path
         acc.Reload()
         # the global loss is the same on every rank, and each writer logs it for every step
         assert [e.value for e in acc.Scalars("loss_metrics/global_avg_loss")] == pytest.approx(losses[0], abs=1e-6)
+
+
+def test_a_steps_line_is_written_before_its_checkpoint_is_saved(tmp_path):
+    """Step values are read one step late, except at a save: a crash right after "saved step N" has
+    already logged step N (console and TensorBoard), so a resumed curve has no gap."""
+    _, out = _train(tmp_path, 6, "--checkpoint.async_mode=disabled", "--checkpoint.interval=3")
+    lines = out.splitlines()
+    for step in (3, 6):
+        logged = next(i for i, ln in enumerate(lines) if re.search(rf"step\s+{step}\s+loss", ln))
+        saved = next(i for i, ln in enumerate(lines) if f"saved step {step} " in ln)
+        assert logged < saved

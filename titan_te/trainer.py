@@ -356,14 +356,16 @@ class Trainer:
                     raise out_of_memory(step, e, None) from None
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
-                stop = preempt.requested_everywhere()
-                self._log_checkpoint_times(self.checkpointer.step_end(step, stop=stop))
                 self._record_pending()  # the previous step's values: its GPU work is done by now
                 self._pending = (DeviceValues(values), step, lr, epoch, t_data)
+                stop = preempt.requested_everywhere()
+                if self.checkpointer.due(step, stop):
+                    self._record_pending()  # a step's log line and TensorBoard values land before its checkpoint
+                self._log_checkpoint_times(self.checkpointer.step_end(step, stop=stop))
                 self._periodic_metrics(step)
                 self.profiler.step_end(step)
                 if stop:
-                    self._record_pending()
+                    self._record_pending()  # (already read when checkpointing is on)
                     raise preempted(step, self.checkpointer.enabled)
         self._record_pending()
         self._log_checkpoint_times(self.checkpointer.flush())

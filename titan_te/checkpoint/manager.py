@@ -216,6 +216,10 @@ class CheckpointManager:
         return f"checkpoint {path} is corrupt or unreadable ({describe(err)}); {hint}"
 
     # --- saving --------------------------------------------------------------------------------------
+    def due(self, step: int, stop: bool = False) -> bool:
+        """Whether step_end(step, stop) saves: every `interval` steps, the last step, a stop request."""
+        return self.enabled and (step >= self.total_steps or stop or step % self.cfg.interval == 0)
+
     def step_end(self, step: int, stop: bool = False) -> list[SaveRecord]:
         """After each optimizer step: publish a finished background save, start the save that is due
         (every `interval` steps, the last step, or a stop request: those two synchronously). Returns the
@@ -224,7 +228,7 @@ class CheckpointManager:
             return []
         self._finish(wait=False)
         last = step >= self.total_steps
-        if last or stop or step % self.cfg.interval == 0:
+        if self.due(step, stop):
             self.save(step, sync=last or stop or self.stager is None,
                       model_only=last and self.cfg.last_save_model_only)
         done, self._completed = self._completed, []
