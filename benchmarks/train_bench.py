@@ -35,7 +35,6 @@ PEAK = 989e12
 RUNS = {
     "1b_fp8": ("preset", "1b", []),
     "1b_fp8_before": ("before", "1b", []),
-    "1b_fp8_attention": ("preset", "1b", ["--fp8.attention=true"]),
     "1b_fp8_unsharded": ("preset", "1b", ["--parallelism.unsharded_one_rank=true"]),
     "8b_fp8_unsharded": ("preset", "8b", ["--parallelism.unsharded_one_rank=true"]),
     "1b_fp8_full_logits": ("preset", "1b", ["--model.fused_loss=false"]),
@@ -47,7 +46,7 @@ RUNS = {
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
 }
-DEFAULT_RUNS = "1b_fp8,1b_fp8_attention,1b_peer,8b_fp8,8b_peer"
+DEFAULT_RUNS = "1b_fp8,1b_fp8_unsharded,1b_peer,8b_fp8,8b_fp8_unsharded,8b_peer"
 # kernel-name fragments per category, first match wins (attention before GEMM: fused attention kernels
 # carry GEMM-like names)
 CATEGORIES = [
