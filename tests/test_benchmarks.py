@@ -1,0 +1,29 @@
+"""The benchmark's own arithmetic (the GPU runs themselves are benchmarks, not tests)."""
+import json
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import train_bench  # noqa: E402
+
+
+def test_breakdown_sorts_kernels_into_categories_and_counts_idle_once(tmp_path):
+    events = [  # µs; two streams overlap between 40 and 50
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_128x256_TNT", "ts": 0, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "ts": 30, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "adam_fp8", "ts": 60, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 70, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel<gpu_kernel_impl_nocast<CUDAFunctor_add<float>>",
+         "ts": 75, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "cast_transpose_fusion_kernel_optimized", "ts": 80, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # host events are not GPU time
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    parts = train_bench.breakdown(trace, wall_us=200.0, steps=2)
+    assert parts["gemm"] == 0.02 and parts["attention"] == 0.01 and parts["optimizer"] == 0.005  # ms per step
+    assert parts["copies/comm"] == 0.0025 and parts["other"] == 0.0025  # "nocast" is not a cast
+    assert parts["cast/transpose"] == 0.005
+    assert parts["idle"] == (200 - 80) / 2 / 1e3  # busy: 0-50, 60-90 (the overlap counted once)
+    assert parts["busy_pct"] == 40.0
