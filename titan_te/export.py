@@ -80,11 +80,11 @@ def model_spec(cfg: config_mod.Config):
     return spec
 
 
-def model_args_for(cfg: config_mod.Config, state: dict, spec):
-    """The flavor's args, sized by the adapter from the checkpoint's tensors (blocks, vocabulary)."""
+def model_args_for(cfg: config_mod.Config, state: dict, spec, adapter):
+    """The flavor's args, sized by the model's HF adapter from the checkpoint's tensors (blocks, vocabulary)."""
     if cfg.model.flavor not in spec.flavors:
         raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a flavor of {cfg.model.name}")
-    return importlib.import_module(spec.hf).export_args(spec.flavors[cfg.model.flavor], state, cfg.training.seq_len)
+    return adapter.export_args(spec.flavors[cfg.model.flavor], state, cfg.training.seq_len)
 
 
 def _not_a_checkpoint(path: Path) -> str:
@@ -108,7 +108,7 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
     cfg, _ = run_config(ckpt)
     spec = model_spec(cfg)
     hf_io = importlib.import_module(spec.hf)
-    args = model_args_for(cfg, state, spec)
+    args = model_args_for(cfg, state, spec, hf_io)
     tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
     dtype = getattr(torch, dtype_name)
     hf = {k: v.to(dtype) for k, v in hf_io.to_hf(state, args).items()}

@@ -42,5 +42,5 @@ def clip_grad_norm(parameters, max_norm: float, optimizer=None) -> torch.Tensor:
         if hasattr(optimizer, "scale_grads_in_step"):
             optimizer.scale_grads_in_step(clip_coefficient(total, max_norm))
         else:
-            torch._foreach_mul_([p.grad for p in params], clip_coefficient(total, max_norm))
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

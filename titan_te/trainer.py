@@ -284,11 +284,6 @@ class Trainer:
         stack.enter_context(self.fp8.autocast())
         return stack
 
-    def logits(self, inp: torch.Tensor) -> torch.Tensor:
-        """The model's forward on one micro-batch (with document starts when model.document_mask)."""
-        with self.forward_context():
-            return self.train_model(inp, **self._doc_kwargs(inp))
-
     def _doc_kwargs(self, inp: torch.Tensor) -> dict:
         return {"doc_start": inp == self.tokenizer.bos_id} if self.cfg.model.document_mask else {}
 

@@ -18,7 +18,7 @@ class BackendSpec:
     needs_cuda: bool = False  # runs only with training.device = cuda
     fp8: bool = False  # runs linear layers in FP8 (fp8.enable)
     install: str = ""  # how to install what `available()` misses
-    compiles_blocks: bool = True  # torch.compile can trace its blocks (else only the final norm is compiled)
+    compiles_blocks: bool = True  # torch.compile can trace its blocks (else compile.enable does nothing)
 
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")

@@ -74,6 +74,7 @@ class Bucket:
     masters: list = field(default_factory=list)  # local FP32 masters (or int16 remainders)
     exp_avg: list = field(default_factory=list)
     exp_avg_sq: list = field(default_factory=list)
+    writer: str | None = None  # quantized: the kernel that also writes the FP8 weights (FusedAdam._fp8_writer)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -166,6 +167,8 @@ class FusedAdam(torch.optim.Optimizer):
                 b.exp_avg_sq.append(_local(s["exp_avg_sq"]))
                 if "master_param" in s:
                     b.masters.append(_local(s["master_param"]))
+        for b in buckets.values():
+            b.writer = self._fp8_writer(b.weights) if b.kind == "quantized" else None
         return list(buckets.values())
 
     def add_param_group(self, param_group) -> None:
@@ -229,13 +232,13 @@ class FusedAdam(torch.optim.Optimizer):
         hp = (float(g["lr"]), *g["betas"], g["eps"], g["weight_decay"], g["step"])
         weights, m, v = sel(b.weights), sel(b.exp_avg), sel(b.exp_avg_sq)
         masters = sel(b.masters) if b.masters else []
-        writer = self._fp8_writer(weights) if b.kind == "quantized" else None
+        writer = b.writer
         if scale is not None and writer != "triton":
             torch._foreach_mul_(grads, scale)
         if writer == "triton":
             triton_adam.adam_fp8_(grads, weights, masters, m, v, *hp, grad_scale=scale)
         elif self._te is not None:  # TE's kernels read and write bf16 moments directly
-            self._te_update(b.kind, grads, weights, masters, m, v, *hp)
+            self._te_update(b.kind, writer, grads, weights, masters, m, v, *hp)
         else:
             self._torch_update(b.kind, grads, weights, masters, m, v, *hp)
         if b.kind == "quantized" and writer is None:
@@ -256,12 +259,11 @@ class FusedAdam(torch.optim.Optimizer):
             return "te"
         return "triton" if self._triton else None
 
-    def _te_update(self, kind, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
+    def _te_update(self, kind, writer, grads, weights, masters, m, v, lr, beta1, beta2, eps, wd, step) -> None:
         tex = self._te
         if self._noop is None:
             self._noop = torch.zeros(1, dtype=torch.int, device=grads[0].device)
         extra = ()
-        writer = self._fp8_writer(weights) if kind == "quantized" else None
         if kind in ("fp32", "lowp"):
             lists, fn = [grads, weights, m, v], tex.multi_tensor_adam
         elif kind == "lowp_master":
