@@ -38,6 +38,8 @@ RUNS = {
     "1b_fp8_unsharded": ("preset", "1b", ["--parallelism.unsharded_one_rank=true"]),
     "8b_fp8_unsharded": ("preset", "8b", ["--parallelism.unsharded_one_rank=true"]),
     "1b_fp8_full_logits": ("preset", "1b", ["--model.fused_loss=false"]),
+    "1b_fp8_blocks_plan": ("blocks_plan", "1b", []),  # FSDP units: the blocks only (root: embedding, head)
+    "8b_fp8_blocks_plan": ("blocks_plan", "8b", []),
     "1b_bf16": ("preset", "1b", ["--fp8.enable=false", "--fp8.params=false"]),
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
@@ -209,6 +211,10 @@ def child(a) -> int:
     a.size = size
     with tempfile.TemporaryDirectory(dir=a.scratch or None) as tmp:
         a.tmp = tmp
+        if kind == "blocks_plan":  # this process only: llama3's wrap plan swapped for the blocks-only one
+            from titan_te.models import MODELS, blocks
+
+            MODELS.get("llama3").fsdp_units = blocks
         result = child_peer(a, extra) if kind == "peer" else child_preset(a, extra)
     print("RESULT " + json.dumps({"name": a.child, **result}), flush=True)
     return 0

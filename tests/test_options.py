@@ -85,3 +85,28 @@ def test_compile_keeps_the_losses(plain, tmp_path):
     """compile.enable: torch.compile of each block (inductor on the CPU) gives the eager losses."""
     compiled = run_ranks(_losses, 1, str(tmp_path), {"compile": {"enable": True}})[0]
     assert compiled == pytest.approx(plain, rel=1e-4)
+
+
+def _plan_losses(rank, world, tmp, plan):
+    from torch.distributed.fsdp import FSDPModule
+
+    from titan_te.models import MODELS, blocks
+    from titan_te.trainer import Trainer
+
+    if plan == "blocks":  # this process only: the older plan, every block a unit and the rest with the root
+        MODELS.get("llama3").fsdp_units = blocks
+    with Trainer(make_cfg(tmp, world=world, training={"steps": 4, "deterministic": True})) as tr:
+        m = tr.model
+        units = {name: isinstance(getattr(m, name), FSDPModule) for name in ("tok_embeddings", "norm", "output")}
+        shared = units["norm"] and m.norm._get_fsdp_state() is m.output._get_fsdp_state()
+        return tr.train(), units, shared
+
+
+def test_llama_wrap_plan_makes_embedding_and_head_units_and_keeps_the_losses(tmp_path):
+    """Llama's FSDP plan (embedding, blocks, [norm, output]) on 2 gloo ranks: the embedding and the
+    norm + output pair are units of their own, and the losses are those of the blocks-only plan."""
+    (losses, units, shared), _ = run_ranks(_plan_losses, 2, str(tmp_path / "model"), "model")
+    (old, old_units, _), _ = run_ranks(_plan_losses, 2, str(tmp_path / "blocks"), "blocks")
+    assert units == {"tok_embeddings": True, "norm": True, "output": True} and shared
+    assert old_units == {"tok_embeddings": False, "norm": False, "output": False}
+    assert losses == pytest.approx(old, rel=1e-6) and len(losses) == 4

@@ -56,8 +56,9 @@ class ModelSpec:
     resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
     hf: str | None = None  # the adapter module (see above); None: no HF export or import
     computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
-    # the FSDP wrap plan: the submodules that become FSDP units of their own, in forward order (the root
-    # takes the rest); data parallelisms that shard receive it
+    # the FSDP wrap plan: the units in forward order, each a submodule or a list of submodules that share
+    # one unit (called as modules, so FSDP's hooks run); the root takes the rest. Data parallelisms that
+    # shard receive it. Llama's: embedding, blocks, [norm, output]
     fsdp_units: Callable[[Any], list] = blocks
 
 

@@ -90,6 +90,14 @@ class OutputHead(nn.Linear):
         return linear_cross_entropy_sum(h, self.weight, labels)
 
 
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm whose weight follows the activations' dtype, as FSDP's parameter cast gives it (under
+    autocast an FP32 weight would send rms_norm down its unfused path)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(h, self.normalized_shape, self.weight.to(h.dtype), self.eps)
+
+
 class Llama(nn.Module):
     def __init__(self, args: LlamaArgs, block_factory, document_mask=None):
         """document_mask: the backend's mask builder when attention must stay inside documents."""
@@ -99,7 +107,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by str(i) keeps names stable (layers.<i>.*) when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): block_factory(args, i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = OutputHead(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", rope_angles(args, args.max_seq_len), persistent=False)
 
@@ -138,10 +146,14 @@ class Llama(nn.Module):
             mask = self.document_mask(doc_start)
         for block in self.layers.values():
             h = block(h, rope, mask)
-        # the norm weight in the activations' dtype, as FSDP's parameter cast gives it (under autocast an
-        # FP32 weight would send rms_norm down its unfused path)
-        h = F.rms_norm(h, (h.shape[-1],), self.norm.weight.to(h.dtype), self.norm.eps)
-        return self.output(h, labels)
+        return self.output(self.norm(h), labels)  # module calls: each may be (part of) an FSDP unit
+
+
+def fsdp_units(model: Llama) -> list:
+    """torchtitan's wrap plan: the embedding, every block, then norm + output as one unit. The root then
+    holds no parameters, so nothing stays gathered from the first forward to the end of backward (at
+    8B: the 1 GiB bf16 embedding)."""
+    return [model.tok_embeddings, *model.layers.values(), [model.norm, model.output]]
 
 
 def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **block_options) -> Llama:
@@ -169,4 +181,5 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
 
 
 MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
-                                    hf="titan_te.hf_io", computes_loss=True))
+                                    hf="titan_te.hf_io", computes_loss=True,
+                                    fsdp_units=fsdp_units))
