@@ -33,13 +33,14 @@ VOCAB, SEQ = 128256, 8192  # the flavors' vocabulary (the byte tokenizer's ids l
 PEAK = 989e12
 # run name -> (kind, size, preset overrides or peer options)
 RUNS = {
-    "1b_fp8": ("preset", "1b", []),
+    "1b_fp8": ("preset", "1b", []),  # on one GPU the FP8 presets train without FSDP (unsharded_one_rank)
     "1b_fp8_before": ("before", "1b", []),
-    "1b_fp8_unsharded": ("preset", "1b", ["--parallelism.unsharded_one_rank=true"]),
-    "8b_fp8_unsharded": ("preset", "8b", ["--parallelism.unsharded_one_rank=true"]),
+    "1b_fp8_fsdp": ("preset", "1b", ["--parallelism.unsharded_one_rank=false"]),
+    "8b_fp8_fsdp": ("preset", "8b", ["--parallelism.unsharded_one_rank=false"]),
     "1b_fp8_full_logits": ("preset", "1b", ["--model.fused_loss=false"]),
-    "1b_fp8_blocks_plan": ("blocks_plan", "1b", []),  # FSDP units: the blocks only (root: embedding, head)
-    "8b_fp8_blocks_plan": ("blocks_plan", "8b", []),
+    # FSDP with the blocks as the only units (the root holds embedding, norm and head), beside *_fsdp
+    "1b_fp8_blocks_plan": ("blocks_plan", "1b", ["--parallelism.unsharded_one_rank=false"]),
+    "8b_fp8_blocks_plan": ("blocks_plan", "8b", ["--parallelism.unsharded_one_rank=false"]),
     "1b_bf16": ("preset", "1b", ["--fp8.enable=false", "--fp8.params=false"]),
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
@@ -48,7 +49,7 @@ RUNS = {
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
 }
-DEFAULT_RUNS = "1b_fp8,1b_fp8_unsharded,1b_peer,8b_fp8,8b_fp8_unsharded,8b_peer"
+DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"
 # kernel-name fragments per category, first match wins (attention before GEMM: fused attention kernels
 # carry GEMM-like names)
 CATEGORIES = [

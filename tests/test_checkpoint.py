@@ -49,9 +49,9 @@ def _full_state(rank, world, tmp, extra):
     osd = get_optimizer_state_dict(tr.model, tr.optimizer)["state"]
     opt = {f"{k}.{n}": (t.full_tensor() if isinstance(t, DTensor) else t).clone()
            for k, s in osd.items() for n, t in s.items() if torch.is_tensor(t)}
-    step = tr.state.step
+    step, parallel = tr.state.step, tr.parallel
     tr.close()
-    return step, model, opt
+    return step, model, opt, parallel
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +80,40 @@ OPTIMIZERS = {"adamw": {"name": "adamw"}, "fused_adam": {"name": "fused_adam"},
               "fused_adam_bf16_moments": {"name": "fused_adam", "moment_dtype": "bfloat16"}}
 
 
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("saved_world, loaded_world", [(2, 1), (1, 2)])
-def test_reshard_model_and_optimizer_exactly(saved_world, loaded_world, optimizer, tmp_path):
-    opt = {"optimizer": OPTIMIZERS[optimizer]}
-    run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, opt)
-    ref = run_ranks(_full_state, saved_world, str(tmp_path), opt)[0]
-    excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}, **opt}
+def _reshard(saved_world, loaded_world, opt, tmp_path, one_rank=None):
+    """Save after 5 steps on saved_world ranks, load on loaded_world: the same full model and optimizer
+    state. one_rank: extra sections of the side that runs on one rank."""
+    saved_extra = {**opt, **(one_rank or {})} if saved_world == 1 else opt
+    loaded_extra = {**opt, **(one_rank or {})} if loaded_world == 1 else opt
+    run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, saved_extra)
+    ref = run_ranks(_full_state, saved_world, str(tmp_path), saved_extra)[0]
+    excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}, **loaded_extra}
     got = run_ranks(_full_state, loaded_world, str(tmp_path), excl)[0]
     assert ref[0] == got[0] == 5
+    layouts = {saved_world: ref[3], loaded_world: got[3]}
+    assert layouts == {1: "none" if one_rank else "fsdp", 2: "fsdp"}
     for part in (1, 2):
         assert ref[part].keys() == got[part].keys() and ref[part]
         for k in ref[part]:
             assert ref[part][k].dtype == got[part][k].dtype, k
             assert torch.equal(ref[part][k], got[part][k]), k
+    return got
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("saved_world, loaded_world", [(2, 1), (1, 2)])
+def test_reshard_model_and_optimizer_exactly(saved_world, loaded_world, optimizer, tmp_path):
+    got = _reshard(saved_world, loaded_world, {"optimizer": OPTIMIZERS[optimizer]}, tmp_path)
     moments = {t.dtype for k, t in got[2].items() if k.endswith("exp_avg")}
     assert moments == {getattr(torch, OPTIMIZERS[optimizer].get("moment_dtype", "float32"))}
+
+
+@pytest.mark.parametrize("saved_world, loaded_world", [(2, 1), (1, 2)])
+def test_unsharded_one_rank_and_fsdp_load_each_others_checkpoints(saved_world, loaded_world, tmp_path):
+    """The FP8 presets train one GPU without FSDP (parallelism.unsharded_one_rank) and many with it: a
+    checkpoint of either layout loads exactly into the other."""
+    _reshard(saved_world, loaded_world, {"optimizer": OPTIMIZERS["fused_adam_bf16_moments"]}, tmp_path,
+             one_rank={"parallelism": {"unsharded_one_rank": True, "comm_timeout_s": 120}})
 
 
 def test_reshard_without_excluding_dataloader_names_the_option(tmp_path):

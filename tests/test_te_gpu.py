@@ -98,6 +98,22 @@ def bf16_1b(tmp_path_factory):
     return run_ranks(_train_1b, 1, str(tmp_path_factory.mktemp("bf16")), {})[0]
 
 
+# FP8's mean loss over the last 50 of 200 steps may lie at most 2% above bf16's. Below it is no defect
+# (measured on the H200, 2026-12-04, the FP8 runs ended 0.5-2% and the unsharded one 4.8% below bf16 over
+# the last 10 steps), but one far below would mean the two runs do not train the same thing.
+WORSE, BETTER = 0.02, 0.10
+
+
+def _tracks(bf16: list[float], fp8: list[float], label: str) -> float:
+    """The relative gap of FP8's late loss to bf16's (positive: FP8 is worse), after checking both learn."""
+    end_bf16, end_fp8 = sum(bf16[-50:]) / 50, sum(fp8[-50:]) / 50
+    gap = (end_fp8 - end_bf16) / end_bf16
+    print(f"{label}: bf16 {bf16[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:+.2%}")
+    assert end_bf16 < 0.6 * bf16[0] and end_fp8 < 0.6 * fp8[0]
+    assert gap > -BETTER
+    return gap
+
+
 PRESET_FP8 = {"fp8.params": True, "optimizer.name": "fused_adam", "optimizer.moment_dtype": "bfloat16"}
 
 
@@ -107,44 +123,53 @@ PRESET_FP8 = {"fp8.params": True, "optimizer.name": "fused_adam", "optimizer.mom
 ], ids=["delayed", "current", "block", "delayed-preset-optimizer"])
 def test_fp8_tracks_bf16_over_200_steps(recipe, extra, bf16_1b, tmp_path):
     fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": recipe, **extra})[0]
-    end_bf16, end_fp8 = sum(bf16_1b[-10:]) / 10, sum(fp8[-10:]) / 10
-    gap = abs(end_fp8 - end_bf16) / end_bf16
-    print(f"{recipe}: bf16 {bf16_1b[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
-    assert end_bf16 < 0.6 * bf16_1b[0]
-    assert gap < 0.02
+    assert _tracks(bf16_1b, fp8, recipe) < WORSE
 
 
-def test_unsharded_one_rank_trains_fp8_weights(bf16_1b, tmp_path):
-    """parallelism.unsharded_one_rank (no FSDP on one GPU, under autocast) with the presets' FP8 setting.
-    Measured on the H200 (2026-12-04): a 2.1% gap to bf16 after 200 steps where FSDP gives 0.5%, so its
-    bound here is wider and the option stays experimental."""
-    fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": "delayed", **PRESET_FP8,
-                                                  "parallelism.unsharded_one_rank": True})[0]
-    end_bf16, end_fp8 = sum(bf16_1b[-10:]) / 10, sum(fp8[-10:]) / 10
-    gap = abs(end_fp8 - end_bf16) / end_bf16
-    print(f"unsharded: bf16 {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
-    assert end_fp8 < 0.6 * fp8[0] and gap < 0.05
+def test_unsharded_one_rank_follows_fsdp_and_tracks_bf16(bf16_1b, tmp_path):
+    """parallelism.unsharded_one_rank (no FSDP on one GPU, under torch.autocast) with the presets' FP8
+    setting: step for step it follows FSDP over the first 20 steps (measured: 8.5e-4 relative at most;
+    autocast keeps the residual stream in FP32, so they part slowly later), and after 200 steps its loss
+    tracks bf16's as FSDP's does."""
+    fp8 = {"fp8.enable": True, "fp8.recipe": "delayed", **PRESET_FP8}
+    short = {**fp8, "training.steps": 20}
+    fsdp = run_ranks(_train_1b, 1, str(tmp_path / "fsdp"), {**short, "parallelism.unsharded_one_rank": False})[0]
+    alone = run_ranks(_train_1b, 1, str(tmp_path / "alone"), {**short, "parallelism.unsharded_one_rank": True})[0]
+    worst = max(abs(a - b) / b for a, b in zip(alone, fsdp))
+    print(f"unsharded vs fsdp, 20 steps: worst relative loss difference {worst:.2e}")
+    assert len(alone) == 20 and worst < 3e-3
+    long = run_ranks(_train_1b, 1, str(tmp_path / "long"), {**fp8, "parallelism.unsharded_one_rank": True})[0]
+    assert _tracks(bf16_1b, long, "unsharded") < WORSE
 
 
 def _train_head128(rank, world, tmp, overrides):
-    """One block of the 8B flavor (head_dim 128), 200 steps."""
-    return _train_1b(rank, world, tmp, {"model.flavor": "8B", "model.n_layers": 1, **overrides})
+    """One block of the 8B flavor (head_dim 128), 200 steps; not deterministic, as cuDNN before 9.19 has
+    no deterministic FP8 attention backward (both runs alike)."""
+    return _train_1b(rank, world, tmp, {"model.flavor": "8B", "model.n_layers": 1, "training.deterministic": False,
+                                        **overrides})
 
 
 def test_fp8_attention_tracks_bf16_at_head_dim_128(tmp_path):
     bf16 = run_ranks(_train_head128, 1, str(tmp_path / "bf16"), {})[0]
     fp8 = run_ranks(_train_head128, 1, str(tmp_path / "fp8"), {"fp8.enable": True, "fp8.attention": True})[0]
-    end_bf16, end_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
-    gap = abs(end_fp8 - end_bf16) / end_bf16
-    print(f"fp8 attention: bf16 {bf16[0]:.4f} -> {end_bf16:.4f}, fp8 {fp8[0]:.4f} -> {end_fp8:.4f}, gap {gap:.2%}")
-    assert end_bf16 < 0.6 * bf16[0] and gap < 0.02
+    gap = _tracks(bf16, fp8, "fp8 attention")
+    assert gap < WORSE
 
 
-def test_fp8_attention_refuses_head_dim_64_in_one_line(tmp_path):
+def test_fp8_attention_refusals_are_one_line(tmp_path):
+    """head_dim 64 (the 1B flavor), current scaling before Blackwell, determinism on an older cuDNN."""
     from titan_te.errors import ConfigError
+    from titan_te.hardware import DETERMINISTIC_FP8_ATTENTION_CUDNN, _cudnn_version
 
+    attention = {"fp8.enable": True, "fp8.attention": True, "training.steps": 2}
     with pytest.raises(ConfigError, match="fp8.attention: Transformer Engine's FP8 attention takes head_dim 128"):
-        _train_1b(0, 1, str(tmp_path), {"fp8.enable": True, "fp8.attention": True})
+        _train_1b(0, 1, str(tmp_path / "a"), {**attention, "training.deterministic": False})
+    if torch.cuda.get_device_capability() < (10, 0):
+        with pytest.raises(ConfigError, match="fp8.attention with the current recipe needs compute capability 10.0"):
+            _train_head128(0, 1, str(tmp_path / "b"), {**attention, "fp8.recipe": "current"})
+    if _cudnn_version() < DETERMINISTIC_FP8_ATTENTION_CUDNN:
+        with pytest.raises(ConfigError, match="training.deterministic = true: cuDNN .* has no deterministic FP8"):
+            _train_head128(0, 1, str(tmp_path / "c"), {**attention, "training.deterministic": True})
 
 
 def _fp8_weights_run(rank, world, tmp, mode, until):

@@ -147,7 +147,7 @@ class Parallelism:
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
     unsharded_one_rank: bool = opt(False, "fsdp / hsdp on a single rank: train without FSDP, under torch.autocast "
                                           "(no parameter and gradient copies: about 7% of an 8B FP8 step on one "
-                                          "H200); experimental: its FP8 losses differ more from bf16 than FSDP's")
+                                          "H200); checkpoints load into either layout; the FP8 presets set it")
     comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails", bounds=Bounds(1, WEEK_S))
 
 
@@ -649,8 +649,8 @@ def _check_values(cfg: Config, where: str) -> None:
 
         if not cfg.fp8.enable:
             raise ConfigError(f"fp8.attention = true needs fp8.enable = true {where}")
-        if not RECIPES.get(cfg.fp8.recipe).fp8_attention:
-            able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention)
+        if RECIPES.get(cfg.fp8.recipe).fp8_attention is None:
+            able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention is not None)
             raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
                               f"with it: {able} {where}")
     for idx in cfg.fp8.bf16_layers:

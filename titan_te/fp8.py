@@ -6,7 +6,6 @@ the CPU-only paths never need it.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,13 +17,15 @@ class RecipeSpec:
     name: str
     build: Callable  # build(fp8_cfg) -> a TE recipe object
     min_compute_capability: tuple[int, int]  # Hopper (9, 0) runs delayed/current/block; MX/NV FP4 need Blackwell
-    fp8_attention: bool = False  # TE can run attention itself in FP8 under this recipe (fp8.attention)
+    # the compute capability from which TE runs attention itself in FP8 under this recipe (fp8.attention,
+    # cuDNN's FP8 kernels); None: never
+    fp8_attention: tuple[int, int] | None = None
 
 
 RECIPES: Registry[RecipeSpec] = Registry("fp8 recipe")
 
 
-def recipe(name: str, min_cc: tuple[int, int], fp8_attention: bool = False):
+def recipe(name: str, min_cc: tuple[int, int], fp8_attention: tuple[int, int] | None = None):
     def add(build):
         RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention))
         return build
@@ -38,7 +39,7 @@ def _format(fcfg):
     return getattr(Format, fcfg.fp8_format)
 
 
-@recipe("delayed", (8, 9), fp8_attention=True)
+@recipe("delayed", (8, 9), fp8_attention=(9, 0))
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 
@@ -46,7 +47,7 @@ def _delayed(fcfg):
                           amax_compute_algo=fcfg.amax_compute_algo, margin=fcfg.margin, fp8_dpa=fcfg.attention)
 
 
-@recipe("current", (8, 9), fp8_attention=True)
+@recipe("current", (8, 9), fp8_attention=(10, 0))  # TE: FP8 attention with current scaling on Blackwell
 def _current(fcfg):
     from transformer_engine.common.recipe import Float8CurrentScaling
 

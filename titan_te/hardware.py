@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-
-
+# cuDNN runs TE's FP8 attention backward deterministically from this version on (TE 2.20's backend rules)
+DETERMINISTIC_FP8_ATTENTION_CUDNN = (9, 19, 0)
 
 
 def resolve_device(choice: str) -> str:
@@ -56,3 +56,28 @@ def check_hardware(cfg, where: str) -> None:
         raise ConfigError(f"fp8.recipe = '{cfg.fp8.recipe}' needs compute capability {need[0]}.{need[1]}+ "
                           f"(this GPU is {have[0]}.{have[1]}, {torch.cuda.get_device_name()}); "
                           f"this GPU runs {here or 'none of them'} {where}")
+    if cfg.fp8.attention:
+        _check_fp8_attention(cfg, RECIPES.get(cfg.fp8.recipe), have, where)
+
+
+def _cudnn_version() -> tuple[int, int, int]:
+    """The cuDNN that TE's attention runs on."""
+    from transformer_engine.pytorch.utils import get_cudnn_version
+
+    return tuple(get_cudnn_version())
+
+
+def _check_fp8_attention(cfg, spec, have: tuple[int, int], where: str) -> None:
+    from titan_te.errors import ConfigError
+
+    need = spec.fp8_attention
+    if have < need:
+        raise ConfigError(f"fp8.attention with the {spec.name} recipe needs compute capability {need[0]}.{need[1]}+ "
+                          f"(this GPU is {have[0]}.{have[1]}); use --fp8.recipe=delayed or --fp8.attention=false "
+                          f"{where}")
+    cudnn = _cudnn_version()
+    if cfg.training.deterministic and cudnn < DETERMINISTIC_FP8_ATTENTION_CUDNN:
+        raise ConfigError(f"fp8.attention with training.deterministic = true: cuDNN "
+                          f"{'.'.join(map(str, cudnn))} has no deterministic FP8 attention backward (it needs "
+                          f"{'.'.join(map(str, DETERMINISTIC_FP8_ATTENTION_CUDNN))}); set "
+                          f"--training.deterministic=false or --fp8.attention=false {where}")
