@@ -83,8 +83,10 @@ OPTIMIZERS = {"adamw": {"name": "adamw"}, "fused_adam": {"name": "fused_adam"},
 def _reshard(saved_world, loaded_world, opt, tmp_path, one_rank=None):
     """Save after 5 steps on saved_world ranks, load on loaded_world: the same full model and optimizer
     state. one_rank: extra sections of the side that runs on one rank."""
-    saved_extra = {**opt, **(one_rank or {})} if saved_world == 1 else opt
-    loaded_extra = {**opt, **(one_rank or {})} if loaded_world == 1 else opt
+    def extra(world):
+        return {**opt, **one_rank} if one_rank and world == 1 else opt
+
+    saved_extra, loaded_extra = extra(saved_world), extra(loaded_world)
     run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, saved_extra)
     ref = run_ranks(_full_state, saved_world, str(tmp_path), saved_extra)[0]
     excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}, **loaded_extra}

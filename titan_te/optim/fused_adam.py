@@ -39,7 +39,8 @@ class FusedAdamError(ConfigError):
     """A parameter/option combination this optimizer will not run silently wrong."""
 
 
-def _local(t):
+def local_tensor(t):
+    """A parameter's own shard: the local tensor of a DTensor, else the tensor."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -105,7 +106,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # --- classification ------------------------------------------------------------------------
     def _kind(self, p) -> str:
-        local = _local(p)
+        local = local_tensor(p)
         if _is_quantized(local):
             if not self.master_weights:
                 raise FusedAdamError(
@@ -137,7 +138,7 @@ class FusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def _init_state(self, p) -> None:
         kind = self._kind(p)
-        local = _local(p)
+        local = local_tensor(p)
         high = local.dequantize() if kind == "quantized" else local
         hp = getattr(local, "_high_precision_init", None)
         if kind == "quantized" and hp is not None:  # fp8.preserve_high_precision_init
@@ -162,11 +163,11 @@ class FusedAdam(torch.optim.Optimizer):
                 b = buckets.setdefault((gi, kind), Bucket(group, kind, []))
                 s = self.state[p]
                 b.params.append(p)
-                b.weights.append(_local(p))
-                b.exp_avg.append(_local(s["exp_avg"]))
-                b.exp_avg_sq.append(_local(s["exp_avg_sq"]))
+                b.weights.append(local_tensor(p))
+                b.exp_avg.append(local_tensor(s["exp_avg"]))
+                b.exp_avg_sq.append(local_tensor(s["exp_avg_sq"]))
                 if "master_param" in s:
-                    b.masters.append(_local(s["master_param"]))
+                    b.masters.append(local_tensor(s["master_param"]))
         for b in buckets.values():
             b.writer = self._fp8_writer(b.weights) if b.kind == "quantized" else None
         return list(buckets.values())
@@ -194,8 +195,8 @@ class FusedAdam(torch.optim.Optimizer):
                 for name, value in state_dict["state"].get(pid, {}).items():
                     if name not in self.state[p]:
                         continue
-                    dst = _local(self.state[p][name])
-                    src = _local(value) if torch.is_tensor(value) else torch.as_tensor(value)
+                    dst = local_tensor(self.state[p][name])
+                    src = local_tensor(value) if torch.is_tensor(value) else torch.as_tensor(value)
                     if src.data_ptr() != dst.data_ptr():
                         with torch.no_grad():
                             dst.copy_(src.reshape(dst.shape))
@@ -219,7 +220,7 @@ class FusedAdam(torch.optim.Optimizer):
             grads, keep = [], []
             for i, p in enumerate(b.params):
                 if p.grad is not None:
-                    grads.append(_local(p.grad))
+                    grads.append(local_tensor(p.grad))
                     keep.append(i)
             if not grads:
                 continue

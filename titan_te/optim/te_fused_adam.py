@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim.fused_adam import local_tensor
 from titan_te.optim.param_groups import decay_groups
 
 
@@ -19,8 +19,7 @@ def build_te_fused_adam(named_params, ocfg, device_type: str):
                     store_param_remainders=ocfg.store_param_remainders)
     # Its FP8 path writes the weights' bytes in place but leaves their cached transposes valid; a weight
     # that is not re-gathered every step (no FSDP) would feed the stale one to the next backward.
-    fp8 = [w for w in (p._local_tensor if isinstance(p, DTensor) else p for _, p in named_params)
-           if isinstance(w, Float8Tensor)]
+    fp8 = [w for w in (local_tensor(p) for _, p in named_params) if isinstance(w, Float8Tensor)]
     opt.register_step_post_hook(lambda *_: [w._reset_caches() for w in fp8])
     return opt
 
