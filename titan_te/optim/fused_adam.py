@@ -169,7 +169,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if "master_param" in s:
                     b.masters.append(local_tensor(s["master_param"]))
         for b in buckets.values():
-            b.writer = self._fp8_writer(b.weights) if b.kind == "quantized" else None
+            b.writer = self._writer(b)
         return list(buckets.values())
 
     def add_param_group(self, param_group) -> None:
@@ -205,7 +205,8 @@ class FusedAdam(torch.optim.Optimizer):
     # --- the step --------------------------------------------------------------------------------
     def scale_grads_in_step(self, scale: torch.Tensor) -> None:
         """Multiply the gradients by `scale` (a device scalar, e.g. the clip coefficient) in the next
-        step: inside the Triton kernel for FP8 weights, as one foreach pass before the update otherwise."""
+        step: inside the Triton kernel for FP32 and FP8 weights, as one foreach pass before the update
+        otherwise."""
         self.grad_scale = scale
 
     @torch.no_grad()
@@ -236,8 +237,10 @@ class FusedAdam(torch.optim.Optimizer):
         writer = b.writer
         if scale is not None and writer != "triton":
             torch._foreach_mul_(grads, scale)
-        if writer == "triton":
+        if writer == "triton" and b.kind == "quantized":
             triton_adam.adam_fp8_(grads, weights, masters, m, v, *hp, grad_scale=scale)
+        elif writer == "triton":
+            triton_adam.adam_(grads, weights, m, v, *hp, grad_scale=scale)
         elif self._te is not None:  # TE's kernels read and write bf16 moments directly
             self._te_update(b.kind, writer, grads, weights, masters, m, v, *hp)
         else:
@@ -245,6 +248,14 @@ class FusedAdam(torch.optim.Optimizer):
         if b.kind == "quantized" and writer is None:
             for w, master in zip(weights, masters):
                 w.quantize_(master)
+
+    def _writer(self, b: Bucket) -> str | None:
+        """The kernel that updates a bucket in one pass where it is not TE's multi-tensor Adam: "triton" for
+        FP32 weights (ours reads and writes each byte once and applies the clip factor), the FP8 writer for
+        FP8 weights, None: the TE or torch path of the bucket's kind."""
+        if b.kind == "quantized":
+            return self._fp8_writer(b.weights)
+        return "triton" if b.kind == "fp32" and self._triton else None
 
     def _fp8_writer(self, weights) -> str | None:
         """Which kernel updates the masters of delayed-scaling Float8Tensor weights and writes their FP8
