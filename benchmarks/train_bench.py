@@ -38,6 +38,10 @@ RUNS = {
     "1b_fp8_fsdp": ("preset", "1b", ["--parallelism.unsharded_one_rank=false"]),
     "8b_fp8_fsdp": ("preset", "8b", ["--parallelism.unsharded_one_rank=false"]),
     "1b_fp8_full_logits": ("preset", "1b", ["--model.fused_loss=false"]),
+    # the 1B preset's output head is FP8 (fp8.head = "all"); these keep it in bf16, or only its dgrad in FP8
+    "1b_fp8_head_off": ("preset", "1b", ["--fp8.head=off"]),
+    "1b_fp8_head_dgrad": ("preset", "1b", ["--fp8.head=dgrad"]),
+    "8b_fp8_head_all": ("preset", "8b", ["--fp8.head=all"]),
     # FSDP with the blocks as the only units (the root holds embedding, norm and head), beside *_fsdp
     "1b_fp8_blocks_plan": ("blocks_plan", "1b", ["--parallelism.unsharded_one_rank=false"]),
     "8b_fp8_blocks_plan": ("blocks_plan", "8b", ["--parallelism.unsharded_one_rank=false"]),

@@ -102,6 +102,8 @@ CLI = [
     ("--model.n_layers=100000", "model.n_layers must be within [0, 4,096]"),
     ("--fp8.params=true", "fp8.params = true keeps weights in FP8, which needs fp8.enable = true"),
     ("--fp8.attention=true", "fp8.attention = true needs fp8.enable = true"),
+    ("--fp8.head=all", "fp8.head = 'all' needs fp8.enable = true"),
+    ("--fp8.head=half", "fp8.head = 'half' is not one of"),
     ("--fp8.amax_history_len=0", "fp8.amax_history_len must be within [1,"),
     ("--activation_checkpoint.mode=some", "activation_checkpoint.mode = 'some' is not one of"),
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),

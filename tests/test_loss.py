@@ -74,3 +74,34 @@ def test_triton_rows_match_torch_rows_in_bf16():
     assert hk[::7].abs().max().item() == 0.0
     torch.testing.assert_close(hk.float(), ht.float(), rtol=2e-2, atol=1e-5)
     torch.testing.assert_close(wk.float(), wt.float(), rtol=2e-2, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_fp8_head_modes_against_the_bf16_head():
+    """fp8.head: "dgrad" keeps the loss and the weight gradient of the bf16 head exactly and moves the
+    gradient into the model by FP8 rounding only; "all" moves the loss by FP8 rounding of the logits."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(4096, 512, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(32064, 512, device="cuda", generator=g) * 0.05).requires_grad_()  # FP32, as the model's
+    labels = torch.randint(0, 32064, (4096,), device="cuda", generator=g)
+    labels[::5] = IGNORE_INDEX
+    out = {}
+    for mode in ("off", "dgrad", "all"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = linear_cross_entropy_sum(h, w, labels, chunk=1536, fp8=mode)
+        out[mode] = (loss.detach(), *torch.autograd.grad(loss / 3276, (h, w)))
+    (lo, ho, wo) = out["off"]
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for mode in ("dgrad", "all"):
+        lm, hm, wm = out[mode]
+        print(f"fp8.head={mode}: loss {lm.item():.5f} vs {lo.item():.5f}, grad_h rel {rel(hm, ho):.2e}, "
+              f"grad_w rel {rel(wm, wo):.2e}")
+        assert hm[::5].abs().max().item() == 0.0  # ignored tokens get no gradient
+        assert rel(hm, ho) < 0.08
+    ld, hd, wd = out["dgrad"]
+    assert ld.item() == lo.item() and rel(wd, wo) < 1e-5  # the same bf16 GEMMs
+    la, ha, wa = out["all"]
+    assert abs(la.item() - lo.item()) / lo.item() < 5e-3 and rel(wa, wo) < 0.08

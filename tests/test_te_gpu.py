@@ -120,7 +120,9 @@ PRESET_FP8 = {"fp8.params": True, "optimizer.name": "fused_adam", "optimizer.mom
 @pytest.mark.parametrize("recipe,extra", [
     ("delayed", {}), ("current", {}), ("block", {}),
     ("delayed", PRESET_FP8),  # the presets: FP8 weights, bf16 moments (the Triton update), fused head
-], ids=["delayed", "current", "block", "delayed-preset-optimizer"])
+    ("delayed", {**PRESET_FP8, "fp8.head": "dgrad"}),
+    ("delayed", {**PRESET_FP8, "fp8.head": "all"}),
+], ids=["delayed", "current", "block", "delayed-preset-optimizer", "fp8-head-dgrad", "fp8-head-all"])
 def test_fp8_tracks_bf16_over_200_steps(recipe, extra, bf16_1b, tmp_path):
     fp8 = run_ranks(_train_1b, 1, str(tmp_path), {"fp8.enable": True, "fp8.recipe": recipe, **extra})[0]
     assert _tracks(bf16_1b, fp8, recipe) < WORSE

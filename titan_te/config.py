@@ -241,6 +241,9 @@ class FP8:
     bf16_layers: list = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
     attention: bool = opt(False, "also run attention in FP8 (TE's fp8_dpa through cuDNN; delayed or current "
                                  "scaling): faster, slightly less exact")
+    head: str = opt("off", "the fused output head in FP8 (current per-tensor scaling): dgrad = the gradient into "
+                           "the model (e5m2 x e4m3), all = the logits too; off = bf16 (torchtitan's and "
+                           "Megatron's default); its weight gradient stays bf16", choices=("off", "dgrad", "all"))
 
 
 @dataclass
@@ -298,6 +301,18 @@ def _type_of(section_cls: type, name: str) -> type:
 
 def _type_name(tp: type) -> str:
     return {list: "list", bool: "bool", int: "int", float: "float", str: "str"}.get(tp, str(tp))
+
+
+def _check_fp8_head(cfg, where: str) -> None:
+    from titan_te.models import MODELS
+
+    ask = f"fp8.head = '{cfg.fp8.head}'"
+    if not cfg.fp8.enable:
+        raise ConfigError(f"{ask} needs fp8.enable = true; or set --fp8.head=off {where}")
+    if not MODELS.get(cfg.model.name).fp8_head:
+        raise ConfigError(f"{ask}: model {cfg.model.name} has no FP8 output head; set --fp8.head=off {where}")
+    if not cfg.model.fused_loss:
+        raise ConfigError(f"{ask} runs inside the fused head, which model.fused_loss = false turns off {where}")
 
 
 def _closest(name: str, valid: list[str]) -> str:
@@ -663,6 +678,8 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor = '{cfg.model.flavor}' is not a flavor of {cfg.model.name}"
                           f"{_closest(cfg.model.flavor, list(flavors))}; valid: {', '.join(flavors)} {where}")
+    if cfg.fp8.head != "off":
+        _check_fp8_head(cfg, where)
 
     world = world_size_from_env()
     p = cfg.parallelism

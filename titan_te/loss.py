@@ -9,6 +9,11 @@ of the weight follow (two more GEMMs). Only one chunk's logits exist at a time, 
 1B Llama at batch 4 x 8192 with a 128,256-row vocabulary needs about 2 GiB for its head instead of the
 ~50 GiB that FP32 logits, their gradient and their bf16 twins take. Backward then only scales the
 stored gradients by the incoming gradient of the loss (the loss is linear in them).
+
+`fp8` ("dgrad" or "all", fp8.head) runs GEMMs of the head in FP8 on CUDA, with per-tensor scales taken
+from the current values: "dgrad" the gradient into the model (the e5m2 logit gradient, which the
+kernel writes beside the bf16 one, times the e4m3 weight), "all" the logits as well (e4m3 hidden states
+times the e4m3 weight). The head's own weight gradient stays a bf16 GEMM with FP32 accumulation.
 """
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ from titan_te import ce_kernel, triton_support
 
 IGNORE_INDEX = -100
 CHUNK_LOGITS = 1 << 29  # logits per chunk: 2 GiB in FP32 (torch path) or 1 GiB in bf16 (Triton path)
+FP8_HEAD_MODES = ("off", "dgrad", "all")
+# The logit gradient (softmax minus one-hot) lies in [-1, 1]: times 2^15 it fits e5m2 (max 57344), whose
+# subnormals then reach down to 2^-31.
+GRAD_FP8_SCALE = 2.0 ** 15
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -68,14 +77,50 @@ def _rows_torch(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) ->
     return loss, probs.to(logits.dtype)
 
 
-def _rows(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool, kernel: bool):
+def _rows(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool, kernel: bool,
+          grad_fp8: torch.Tensor | None = None):
     if not kernel:
         return _rows_torch(logits, labels, write_grad)
-    rows = ce_kernel.loss_rows_(logits, labels, IGNORE_INDEX, write_grad)  # the gradient replaces the logits
+    # the gradient replaces the logits (and lands in grad_fp8 too, scaled, when given)
+    rows = ce_kernel.loss_rows_(logits, labels, IGNORE_INDEX, write_grad, grad_fp8, GRAD_FP8_SCALE)
     return rows.sum(), logits if write_grad else None
 
 
-def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bool, need_w: bool):
+def _e4m3(t: torch.Tensor, transpose: bool = False):
+    """(t in float8_e4m3fn scaled to its own amax, its transpose or None, the FP32 scale that undoes them):
+    Transformer Engine's current-scaling cast (one amax pass, one fused cast[-transpose] pass). The FP8 head
+    runs with TE's FP8 layers only (fp8.enable), so TE is there."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, t.device, rowwise=True, columnwise=transpose)(t)
+    data = q._data.view(torch.float8_e4m3fn)
+    return data, q._transpose.view(torch.float8_e4m3fn) if transpose else None, q._scale_inv
+
+
+class _FP8Head:
+    """The FP8 operands of one call: the weight (and its transpose, B of the gradient GEMM), the hidden
+    states when the logits are FP8 too. torch._scaled_mm takes A row-major and B column-major."""
+
+    def __init__(self, h: torch.Tensor, w: torch.Tensor, mode: str, need_h: bool):
+        self.w8, self.wt8, self.w_scale = _e4m3(w, transpose=need_h)
+        self.h8, _, self.h_scale = _e4m3(h) if mode == "all" else (None, None, None)
+        self.g_scale = torch.full((), 1.0 / GRAD_FP8_SCALE, device=h.device)
+
+    def logits(self, start: int, stop: int, hc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.h8 is None:
+            return hc @ w.t()
+        return torch._scaled_mm(self.h8[start:stop], self.w8.t(), self.h_scale, self.w_scale,
+                                out_dtype=hc.dtype, use_fast_accum=True)
+
+    def grad_hidden(self, g8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # a long reduction (the vocabulary): no fast accumulation
+        return torch._scaled_mm(g8, self.wt8.t(), self.g_scale, self.w_scale, out_dtype=dtype,
+                                use_fast_accum=False)
+
+
+def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bool, need_w: bool,
+                    fp8: str = "off"):
     """(summed loss, its gradient w.r.t. hidden or None, w.r.t. weight or None), chunk by chunk."""
     dtype = _compute_dtype(hidden)
     h, w = hidden.to(dtype), weight.to(dtype)
@@ -85,14 +130,22 @@ def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bo
     grad_w = None
     # the weight gradient adds up over chunks in FP32 (inside the GEMM where torch can)
     fp32_gemm = dtype != torch.float32 and h.is_cuda and _fp32_accumulating_addmm(h.device.type)
+    head8 = _FP8Head(h, w, fp8, need_h) if fp8 != "off" and kernel else None
     with torch.autocast(h.device.type, enabled=False):
         for start in range(0, n, chunk):
             hc, lc = h[start:start + chunk], labels[start:start + chunk]
-            part, dlogits = _rows(hc @ w.t(), lc, need_h or need_w, kernel)
+            logits = head8.logits(start, start + chunk, hc, w) if head8 is not None else hc @ w.t()
+            g8 = torch.empty(logits.shape, dtype=torch.float8_e5m2, device=h.device) \
+                if head8 is not None and need_h else None
+            part, dlogits = _rows(logits, lc, need_h or need_w, kernel, g8)
+            del logits
             loss += part
             if dlogits is None:
                 continue
-            if need_h:
+            if g8 is not None:
+                grad_h[start:start + chunk] = head8.grad_hidden(g8, dtype)
+                del g8
+            elif need_h:
                 torch.mm(dlogits, w, out=grad_h[start:start + chunk])
             if need_w:
                 if grad_w is None:
@@ -107,8 +160,9 @@ def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bo
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, kernel):
-        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, labels, chunk, kernel, *ctx.needs_input_grad[:2])
+    def forward(ctx, hidden, weight, labels, chunk, kernel, fp8):
+        loss, grad_h, grad_w = _loss_and_grads(hidden, weight, labels, chunk, kernel, *ctx.needs_input_grad[:2],
+                                               fp8=fp8)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.hidden_dtype = hidden.dtype
         return loss
@@ -120,20 +174,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.hidden_dtype)
         if grad_w is not None:
             grad_w = grad_w * grad_loss.to(grad_w.dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             chunk: int | None = None, kernel: bool | None = None) -> torch.Tensor:
+                             chunk: int | None = None, kernel: bool | None = None, fp8: str = "off") -> torch.Tensor:
     """sum over valid tokens of cross_entropy(hidden @ weight.T, labels), never holding all the logits.
 
     hidden [..., dim], weight [vocab, dim], labels [...] (IGNORE_INDEX marks tokens without a target).
-    kernel: the Triton kernel for the rows (None: on CUDA when Triton is there; False: torch ops)."""
+    kernel: the Triton kernel for the rows (None: on CUDA when Triton is there; False: torch ops).
+    fp8: "off", "dgrad" or "all" (module docstring); FP8 needs the kernel (CUDA), dim and vocab
+    multiples of 16."""
     h = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).contiguous()
     if kernel is None:
         kernel = h.is_cuda and triton_support.available()
     chunk = chunk or chunk_tokens(weight.shape[0], h.shape[0], kernel)
+    if fp8 != "off" and not kernel:
+        raise ValueError("the FP8 head needs the Triton cross-entropy kernel (CUDA with Triton)")
     if not torch.is_grad_enabled():  # validation: the loss only
-        return _loss_and_grads(h, weight, labels, chunk, kernel, False, False)[0]
-    return _LinearCrossEntropy.apply(h, weight, labels, chunk, kernel)
+        return _loss_and_grads(h, weight, labels, chunk, kernel, False, False, fp8)[0]
+    return _LinearCrossEntropy.apply(h, weight, labels, chunk, kernel, fp8)

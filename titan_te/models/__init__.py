@@ -13,7 +13,9 @@ A family registers (usually from a module named by `job.custom_import`):
   and `load_hf_weights(model, folder, write)`; titan_te/hf_io.py is Llama's, tests/tiny_lm_hf.py a small one;
 - `computes_loss`: the forward also takes `labels=` and then returns the summed cross-entropy over the
   valid tokens itself (a fused head that never builds the logits); otherwise the trainer computes it
-  from the returned logits.
+  from the returned logits;
+- `fp8_head`: the fused head runs in FP8 when `fp8.head` asks (build receives `fp8=` and reads
+  `fp8.cfg.head`).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class ModelSpec:
     resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
     hf: str | None = None  # the adapter module (see above); None: no HF export or import
     computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
+    fp8_head: bool = False  # its fused head honours fp8.head
     # the FSDP wrap plan: the units in forward order, each a submodule or a list of submodules that share
     # one unit (called as modules, so FSDP's hooks run); the root takes the rest. Data parallelisms that
     # shard receive it. Llama's: embedding, blocks, [norm, output]

@@ -84,10 +84,12 @@ class OutputHead(nn.Linear):
     """The vocabulary projection; with labels it returns the summed cross-entropy from the fused,
     chunked head instead of the logits (a module of its own, so it can be its own FSDP unit)."""
 
+    fp8 = "off"  # fp8.head: which of the fused head's GEMMs run in FP8 (titan_te/loss.py)
+
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
             return super().forward(h).float()
-        return linear_cross_entropy_sum(h, self.weight, labels)
+        return linear_cross_entropy_sum(h, self.weight, labels, fp8=self.fp8)
 
 
 class RMSNorm(nn.RMSNorm):
@@ -161,8 +163,12 @@ def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **bl
     from titan_te.layers import BACKENDS
 
     spec = BACKENDS.get(backend)
-    return Llama(args, lambda a, i: spec.block(a, i, document_mask=document_mask, **block_options),
-                 spec.document_mask if document_mask else None)
+    model = Llama(args, lambda a, i: spec.block(a, i, document_mask=document_mask, **block_options),
+                  spec.document_mask if document_mask else None)
+    fp8 = block_options.get("fp8")
+    if fp8 is not None:
+        model.output.fp8 = fp8.cfg.head
+    return model
 
 
 def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:
@@ -181,5 +187,5 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
 
 
 MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
-                                    hf="titan_te.hf_io", computes_loss=True,
+                                    hf="titan_te.hf_io", computes_loss=True, fp8_head=True,
                                     fsdp_units=fsdp_units))
