@@ -58,6 +58,12 @@ def check_hardware(cfg, where: str) -> None:
                           f"this GPU runs {here or 'none of them'} {where}")
     if cfg.fp8.attention:
         _check_fp8_attention(cfg, RECIPES.get(cfg.fp8.recipe), have, where)
+    if cfg.fp8.head != "off":
+        from titan_te import triton_support
+
+        if not triton_support.available():
+            raise ConfigError(f"fp8.head = '{cfg.fp8.head}' runs in the Triton cross-entropy kernel, and Triton "
+                              f"cannot be imported here (a CUDA build of torch ships it); set --fp8.head=off {where}")
 
 
 def _cudnn_version() -> tuple[int, int, int]:
