@@ -4,4 +4,4 @@ import sys
 from titan_te.main import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exits_after=True))

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from titan_te.data.loader import build_dataloader  # noqa: E402
 from titan_te.data.prepare import TokenizerArgs, prepare  # noqa: E402
-from titan_te.data.shards import ShardWriter, open_shards  # noqa: E402
+from titan_te.data.shards import ShardWriter, open_shards, read_manifest, write_manifest  # noqa: E402
 
 TARGET = 5e6
 
@@ -34,7 +34,7 @@ def memmap_rate(folder: Path, seq_len: int, batch: int, workers: int, seconds: f
     class Vocab:  # the Llama 3 vocabulary: uint32 shards
         vocab_size = 128256
 
-    source = open_shards(folder, "train", Vocab())
+    source = open_shards(folder, "train", Vocab(), read_manifest(folder))
     loader = build_dataloader(source, seq_len, batch, 0, 1, seed=0, shuffle=True, num_workers=workers,
                               pin_memory=False)
     it = iter(loader)
@@ -67,6 +67,7 @@ def main() -> int:
             w.add(rng.integers(0, 128000, n, dtype=np.uint32))
             left -= n
         w.close()
+        write_manifest(tmp / "shards", {"train": w.index}, {})
         rows = []
         for workers in [int(x) for x in a.workers.split(",")]:
             rate = memmap_rate(tmp / "shards", a.seq_len, a.batch, workers, a.seconds)

@@ -40,3 +40,40 @@ def _clean_dist_env(monkeypatch):
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_titan_te_logger():
+    """main() run in-process sets up console logging (propagate off); the next test's caplog needs it on."""
+    import logging
+
+    log = logging.getLogger("titan_te")
+    yield
+    log.handlers.clear()
+    log.propagate = True
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size) -> a real tmpfs of that size (e.g. "2m") at tmp_path/disk, unmounted after the test: disk-full
+    cases hit the kernel's ENOSPC, never a mocked exception. Needs root (as CI and the dev machines run)."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mounted = []
+
+    def mount(size: str) -> Path:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for m in mounted:
+        subprocess.run(["umount", "-l", str(m)], check=False)
+
+
+def without_root_override(argv: list[str]) -> list[str]:
+    """argv run as root without the capabilities that let root read and write anything (chmod 000 then
+    means what it means for every other user)."""
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--", *argv]

@@ -76,3 +76,8 @@ def run_ranks(fn, world: int, *args):
                 raise AssertionError(f"rank {r} failed: {value}")
             results.append(value)
         return results
+
+
+def entries(folder) -> list[str]:
+    """The sorted names in a folder a run or tool writes into, without the `.lock` it holds there."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name != ".lock")

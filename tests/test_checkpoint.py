@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from conftest import ROOT
-from helpers import make_cfg, run_ranks
+from helpers import entries, make_cfg, run_ranks
 
 STEPS, HALF = 20, 10
 
@@ -128,7 +128,7 @@ def test_reshard_without_excluding_dataloader_names_the_option(tmp_path):
 def test_retention_keeps_latest_k_and_ignores_partial_saves(tmp_path):
     run_ranks(_run, 1, str(tmp_path), "async", None, {"checkpoint": {"keep_latest_k": 2}})
     ck = tmp_path / "t/checkpoint"
-    assert sorted(p.name for p in ck.iterdir()) == ["step-15", "step-20"]
+    assert entries(ck) == ["step-15", "step-20"]
     # an interrupted save (a .tmp folder, or a folder without metadata) is never loaded
     shutil.copytree(ck / "step-20", ck / "step-25.tmp")
     (ck / "step-30").mkdir()
@@ -171,13 +171,13 @@ def test_disk_full_keeps_training_and_previous_checkpoint(tmp_path, monkeypatch)
     losses = tr.train(until_step=8)  # training goes on
     assert len(losses) == 8
     ck = tmp_path / "t/checkpoint"
-    assert sorted(p.name for p in ck.iterdir()) == ["step-5"]
+    assert entries(ck) == ["step-5"]
     monkeypatch.setattr(fs.FileSystemWriter, "write_data", full)  # the final save fails too: that is fatal
     with pytest.raises(CheckpointError, match="No space left on device.*newest good checkpoint is .*step-5.*"
                                               "the final save failed"):
         tr.checkpointer.save(STEPS)
     tr.close()
-    assert sorted(p.name for p in ck.iterdir()) == ["step-5"]  # the failed save left nothing behind
+    assert entries(ck) == ["step-5"]  # the failed save left nothing behind
 
 
 def _always_full(monkeypatch, after_step: int):
@@ -241,7 +241,7 @@ def test_every_background_save_of_a_process_lands(mode, tmp_path):
 
     run_ranks(_saves, 2, str(tmp_path), mode)
     ck = tmp_path / "t/checkpoint"
-    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-6", "step-8", "step-9"]
+    assert entries(ck) == ["step-2", "step-4", "step-6", "step-8", "step-9"]
     lineages = set()
     for step in (2, 4, 6, 8, 9):
         assert (ck / f"step-{step}/.metadata").is_file()
@@ -328,7 +328,7 @@ def test_unwritable_folder_mid_run_keeps_training_and_at_startup_is_one_clear_er
     monkeypatch.setattr(Path, "mkdir", real_mkdir)
     assert len(tr.train(until_step=8)) == 8
     tr.close()
-    assert sorted(p.name for p in (tmp_path / "t/checkpoint").iterdir()) == ["step-5"]
+    assert entries(tmp_path / "t/checkpoint") == ["step-5"]
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -337,7 +337,7 @@ def test_unwritable_folder_mid_run_keeps_training_and_at_startup_is_one_clear_er
                        capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")})
     assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith(f"checkpoint error: checkpoint.folder {blocker / 'ck'} cannot be written")
+    assert r.stderr.startswith(f"checkpoint error: checkpoint.folder {blocker / 'ck'} cannot be created or written")
     assert "training from step" not in r.stdout  # refused before the first step
 
 
@@ -355,7 +355,7 @@ def test_sigterm_saves_and_exits_with_documented_code_then_resumes(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err
     assert "preempted: stopped by a signal after step" in err
-    saved = [p.name for p in (tmp_path / "debug/checkpoint").iterdir()]
+    saved = entries(tmp_path / "debug/checkpoint")
     assert len(saved) == 1 and saved[0].startswith("step-")
     step = int(saved[0].split("-")[1])
     again = subprocess.run(args[:3] + [f"--training.steps={step + 2}"] + args[4:], capture_output=True, text=True,
@@ -390,7 +390,7 @@ def test_retention_counts_only_this_lineage_and_keeps_the_resumed_from_checkpoin
     start, _ = _go(tmp_path, 8, checkpoint={"interval": 2, "keep_latest_k": 1})
     assert start == 4
     # step-2 and step-6 are pruned; step-4 (resumed from), step-8 (just written), step-3 and step-999 stay
-    assert sorted(p.name for p in ck.iterdir()) == ["step-3", "step-4", "step-8", "step-999"]
+    assert entries(ck) == ["step-3", "step-4", "step-8", "step-999"]
     log = (tmp_path / "t/logs/rank0.log").read_text()
     assert f"ignoring {ck / 'step-999'}: not a complete titan_te checkpoint" in log
 
@@ -401,22 +401,22 @@ def test_loading_an_older_step_is_refused_unless_replace_newer_then_newer_ones_a
     msg = _refused(tmp_path, 12, checkpoint={"load_step": 5})
     assert f"{ck} holds step-10, which later saves of this run would replace" in msg
     assert "--checkpoint.replace_newer=true" in msg and "nothing is deleted" in msg
-    assert sorted(p.name for p in ck.iterdir()) == ["step-10", "step-5"]  # untouched
+    assert entries(ck) == ["step-10", "step-5"]  # untouched
     start, losses = _go(tmp_path, 12, checkpoint={"load_step": 5, "replace_newer": True})
     assert start == 5 and len(losses) == 7
-    aside = [p for p in ck.iterdir() if p.name.startswith("superseded-")]
+    aside = [ck / n for n in entries(ck) if n.startswith("superseded-")]
     assert len(aside) == 1 and (aside[0] / "step-10/.metadata").is_file()
-    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-10", "step-12", "step-5"]
+    assert [n for n in entries(ck) if n.startswith("step-")] == ["step-10", "step-12", "step-5"]
 
 
 def test_a_resume_that_restarts_the_step_counter_never_overwrites_checkpoints(tmp_path):
     _go(tmp_path, 10)
     ck = tmp_path / "t/checkpoint"
-    before = {p.name: (p / ".metadata").stat().st_mtime_ns for p in ck.iterdir()}
+    before = {n: (ck / n / ".metadata").stat().st_mtime_ns for n in entries(ck)}
     msg = _refused(tmp_path, 10, checkpoint={"exclude_from_loading": ["train_state"]})
     assert "exclude_from_loading has train_state, so this run counts its steps from 1 again" in msg
     assert "step-5, step-10" in msg
-    assert {p.name: (p / ".metadata").stat().st_mtime_ns for p in ck.iterdir()} == before
+    assert {n: (ck / n / ".metadata").stat().st_mtime_ns for n in entries(ck)} == before
 
 
 def test_a_model_only_final_save_finishes_the_run_or_names_the_full_checkpoint(tmp_path):
@@ -450,7 +450,7 @@ def test_a_checkpoint_of_another_shape_names_what_differs_and_no_older_step_with
     (ck / "step-10/titan_te.json").write_text(json.dumps(manifest))
     msg = _refused(tmp_path, 12, model={"n_layers": 2})
     assert "the checkpoint holds model tensors this run does not have: layers.2.*, layers.3.*" in msg, msg
-    assert sorted(p.name for p in ck.iterdir()) == ["step-10", "step-5"]
+    assert entries(ck) == ["step-10", "step-5"]
 
 
 def test_summaries_name_the_data_and_split_this_process_from_the_run(tmp_path):

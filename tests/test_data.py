@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from helpers import run_ranks
+from helpers import entries, run_ranks
 
 DOCS = ["héllo wörld, the first document.", "второй документ", "第三个文件 and some ascii", "four " * 40]
 
@@ -220,11 +220,12 @@ def test_bad_inputs_give_one_clear_error_naming_the_file(tmp_path, hf_tokenizer_
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers):
-    from titan_te.data.shards import ShardWriter
+    from titan_te.data.shards import ShardWriter, write_manifest
 
     w = ShardWriter(tmp_path / "shards", "train", 258, "byte", 256, 257)
     w.add(np.arange(2000) % 256)
     w.close()
+    write_manifest(tmp_path / "shards", {"train": w.index}, {})
     data = np.memmap(tmp_path / "shards/train-00000.bin", dtype="<u2", mode="r+")
     data[20] = 300  # corrupt one token (in the first batch)
     data.flush()
@@ -234,11 +235,12 @@ def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers):
 
 
 def test_truncated_shard_is_refused_before_training(tmp_path):
-    from titan_te.data.shards import ShardWriter
+    from titan_te.data.shards import ShardWriter, write_manifest
 
     w = ShardWriter(tmp_path / "s", "train", 258, "byte", 256, 257)
     w.add(np.arange(1000) % 256)
     w.close()
+    write_manifest(tmp_path / "s", {"train": w.index}, {})
     path = tmp_path / "s/train-00000.bin"
     path.write_bytes(path.read_bytes()[:500])
     _assert_config_error(_train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 's'}"),
@@ -329,7 +331,7 @@ def test_prepare_refuses_a_used_folder_and_overwrite_replaces_exactly_its_shards
     out = tmp_path / "shards"
     assert prepare_main([f"--input={corpus}", f"--output={out}", "--workers=1", "--shard_tokens=40",
                          "--val_fraction=0.25"]) == 0
-    first = sorted(p.name for p in out.iterdir())
+    first = entries(out)
     assert len([n for n in first if n.startswith("train-") and n.endswith(".json")]) > 1 and "val-00000.bin" in first
     (out / "notes.txt").write_text("mine")
     single = tmp_path / "one.txt"
@@ -338,9 +340,9 @@ def test_prepare_refuses_a_used_folder_and_overwrite_replaces_exactly_its_shards
     assert prepare_main([f"--input={single}", f"--output={out}", "--workers=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"prepare error: --output {out} is not empty") and "--overwrite" in err
-    assert sorted(p.name for p in out.iterdir()) == sorted(first + ["notes.txt"])  # nothing touched
+    assert entries(out) == sorted(first + ["notes.txt"])  # nothing touched
     assert prepare_main([f"--input={single}", f"--output={out}", "--workers=1", "--overwrite"]) == 0
-    names = sorted(p.name for p in out.iterdir())
+    names = entries(out)
     assert names == ["notes.txt", "prepare.json", "train-00000.bin", "train-00000.idx.npy", "train-00000.json"]
     tok = TOKENIZERS.get("byte")(dcfg())
     source = DATASETS.get("tokens")(dcfg(dataset="tokens", path=str(out)), tok)

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import entries
+
+from conftest import ROOT
+
 SMALL = ["--training.seq_len=32", "--training.local_batch_size=2", "--metrics.enable_tensorboard=false",
          "--metrics.log_freq=1", "--training.steps=2"]
 CONFIG, CHECKPOINT, OOM = (2, "config error: "), (3, "checkpoint error: "), (4, "out of memory: ")
@@ -347,7 +351,7 @@ def test_prepare_mistakes(capsys, tmp_path):
 def _hashes(ck: Path) -> dict:
     out = {}
     for p in sorted(ck.rglob("*")):
-        if p.is_file():
+        if p.is_file() and p.name != ".lock":  # the lock names its holder: rewritten by every run
             out[str(p.relative_to(ck))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
@@ -439,7 +443,8 @@ def test_an_unreadable_step_folder_is_skipped_not_a_crash(run, capsys, monkeypat
 
 
 @pytest.mark.parametrize("where, fragment", [
-    ("file", "cannot be written"), ("devnull", "cannot be written"), ("proc", "cannot be written"),
+    ("file", "cannot be created or written"), ("devnull", "cannot be created or written"),
+    ("proc", "cannot be created or written"),
 ], ids=["is-a-file", "under-dev-null", "under-proc"])
 def test_checkpoint_folder_that_cannot_be_written(where, fragment, capsys, tmp_path):
     target = {"file": tmp_path / "f", "devnull": Path("/dev/null/ck"), "proc": Path("/proc/titan_te_ck")}[where]
@@ -510,8 +515,11 @@ def test_export_mistakes(run, capsys, tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     _export(["--checkpoint", str(ck / "step-4"), "--out", str(a_file)], capsys, "is a file, not a folder")
-    for step in (2, 4):  # the copy's own run folder (the manifest names the folder that wrote it)
+    for step in (2, 4):  # the copy's own run folder; manifests of an older titan_te (no export facts)
         _set_manifest(ck / f"step-{step}", run_folder=str(run / "debug"))
+        manifest = json.loads((ck / f"step-{step}/titan_te.json").read_text())
+        del manifest["facts"]["export"]
+        (ck / f"step-{step}/titan_te.json").write_text(json.dumps(manifest))
     (run / "debug/config.toml").write_text("[model\nflavor = ")
     _export(["--checkpoint", str(ck / "step-4"), "--out", str(out)], capsys, "config.toml")
     os.remove(run / "debug/config.toml")
@@ -571,3 +579,436 @@ def test_log_rank_naming_no_rank_still_prints(capsys, tmp_path, monkeypatch):
     assert main([*SMALL, f"--job.dump_folder={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "LOG_RANK=5 names no rank of this run (1 process(es)); rank 0 prints" in out and "training from step" in out
+
+
+# --- round 2: signals from the first line of main to the last ------------------------------------------
+def _launch(args, tmp_path, ngpu=1, tty=None, **env):
+    """./run_train.sh in a session of its own (its process group is the job), as a shell or Slurm starts it;
+    with `tty` (a pty's slave) that terminal is the session's controlling terminal."""
+    import fcntl
+    import subprocess
+    import termios
+
+    from test_launcher import _env
+
+    out = tty if tty is not None else subprocess.PIPE
+    take_tty = (lambda: fcntl.ioctl(1, termios.TIOCSCTTY, 0)) if tty is not None else None
+    return subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path}", *args], cwd=ROOT,
+                            stdout=out, stderr=out, text=True, env=_env(NGPU=ngpu, **env), start_new_session=True,
+                            preexec_fn=take_tty)
+
+
+def _until(proc, text, timeout=120):
+    from test_launcher import _wait_for
+
+    return _wait_for(proc, text, timeout)
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_ctrl_c_before_training_is_one_line_and_exit_130(ngpu, tmp_path):
+    import signal
+    import time
+
+    proc = _launch(["--model.n_layers=2"], tmp_path, ngpu)
+    time.sleep(1.0)  # the workers are importing torch or building
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group
+    out, err = proc.communicate(timeout=120)
+    _one_line(err, 130, proc.returncode, "interrupted: SIGINT ", "nothing was")
+    assert "step " not in out
+
+
+def test_a_second_sigterm_after_the_save_keeps_exit_75(tmp_path):
+    import signal
+    import time
+
+    proc = _launch([*SMALL[:3], "--training.steps=400", "--checkpoint.enable=true", "--checkpoint.interval=4",
+                    "--model.n_layers=24", "--metrics.log_freq=1"], tmp_path, 1)
+    _until(proc, "step     10")
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(2.0)  # the same request repeated (Slurm, then a user): the process is saving or tearing down
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    out, err = proc.communicate(timeout=120)
+    _one_line(err, 75, proc.returncode, "preempted: ", "checkpoint saved")
+    step = int(err.split("after step ")[1].split(";")[0])
+    assert (tmp_path / f"debug/checkpoint/step-{step}/titan_te.json").is_file()
+
+
+def test_a_closed_terminal_saves_and_exits_75(tmp_path):
+    """SIGHUP (the ssh session or terminal went away) is a stop request: the step finishes, the checkpoint
+    is saved, exit 75; writing to the dead terminal costs nothing."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = _launch([*SMALL[:3], "--training.steps=100000", "--checkpoint.enable=true",
+                    "--checkpoint.interval=100000", "--metrics.log_freq=1"], tmp_path, 2, tty=slave)
+    os.close(slave)
+    seen = b""
+    while b"step      3" not in seen:
+        seen += os.read(master, 4096)
+    os.close(master)  # the terminal hangs up: the kernel sends SIGHUP
+    assert proc.wait(timeout=120) == 75
+    saved = [tmp_path / "debug/checkpoint" / n for n in entries(tmp_path / "debug/checkpoint")]
+    assert len(saved) == 1 and (saved[0] / "titan_te.json").is_file(), saved
+    log = (tmp_path / "debug/logs/rank0.log").read_text()
+    assert "received SIGHUP: finishing this step, then saving" in log
+    assert "preempted: stopped by a signal" in log
+
+
+def test_stop_signals_by_phase_in_one_process():
+    """Before the loop a signal interrupts (exit 128 + N); in it, it is a stop request; after it, while the
+    process tears down, the handlers are still ours, so a repeat never kills a process that saved."""
+    import signal
+    import time
+
+    from titan_te.errors import Interrupted
+    from titan_te.preemption import SIGNALS
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    with SIGNALS.installed():
+        SIGNALS.doing("tokenizing")
+        with pytest.raises(Interrupted) as e:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert e.value.exit_code == 130 and e.value.line().startswith("interrupted: SIGINT while tokenizing;")
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's forwarded copy: the same request
+        time.sleep(0.1)
+    with SIGNALS.installed():
+        with SIGNALS.training():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.1)
+            assert SIGNALS.flag and SIGNALS.requested_everywhere()
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's repeat while the process tears down
+        time.sleep(0.1)
+        assert SIGNALS.phase == "finishing"
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+# --- round 2: two runs, one checkpoint folder -----------------------------------------------------------
+def test_two_runs_never_share_a_checkpoint_folder_unless_asked(capsys, tmp_path):
+    """Run A saves into an absolute checkpoint.folder; run B names the same folder: refused while A runs (the
+    folder's lock), refused after A stopped (its checkpoints are another run's), every file of A unchanged;
+    with --checkpoint.resume_other_run=true B continues A's run."""
+    import signal
+    import subprocess
+    import sys
+
+    shared = tmp_path / "shared"
+    common = [*SMALL[:3], "--checkpoint.enable=true", "--checkpoint.interval=1", f"--checkpoint.folder={shared}",
+              f"--job.dump_folder={tmp_path}", "--metrics.log_freq=1", "--model.n_layers=16"]
+    a = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, "--job.name=A", "--training.steps=400"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _until(a, "saved step 3")
+    b = [*common, "--job.name=B", "--training.steps=45", "--checkpoint.keep_latest_k=2"]
+    before = _hashes(shared)
+    train(b, capsys, CHECKPOINT, f"checkpoint.folder {shared} is in use by another trainer")
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(timeout=120) == 75
+    before = _hashes(shared)
+    train(b, capsys, CHECKPOINT, f"written by run folder {tmp_path / 'A'}")
+    assert _hashes(shared) == before
+    step = max(int(p.name.split("-")[1]) for p in shared.glob("step-*"))
+    from titan_te.main import main
+
+    capsys.readouterr()
+    assert main([*SMALL, *b[3:], f"--training.steps={step + 1}", "--checkpoint.resume_other_run=true"]) == 0
+    assert f"resumed from {shared / f'step-{step}'}" in capsys.readouterr().out
+
+
+# --- round 2: training on the wrong thing -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_tokenizer_300(tmp_path_factory):
+    """A byte-level BPE tokenizer of 300 ids: the byte alphabet, 3 special tokens and 41 merges."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def main(argv): return sorted(set(argv)) if argv else None"] * 50, trainer)
+    path = tmp_path_factory.mktemp("tok300") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def test_a_checkpoint_of_another_tokenizer_with_the_same_padded_vocabulary_is_refused(run, capsys, hf_tokenizer_300):
+    """byte: 258 ids -> 320 rows; this hf tokenizer: under 320 ids -> 320 rows. The shapes agree, the tokens do
+    not: refused (exit 3) unless the user says --checkpoint.allow_new_tokenizer=true."""
+    from titan_te.data.tokenizers import HFTokenizer, padded_vocab
+
+    assert padded_vocab(HFTokenizer(hf_tokenizer_300).vocab_size) == padded_vocab(258) == 320
+    hf = ["--data.tokenizer=hf", f"--data.tokenizer_path={hf_tokenizer_300}", "--training.steps=6"]
+    _train_ck(run, hf, capsys, CHECKPOINT, "tokenizer.kind is 'byte' in the checkpoint, 'hf' in this run")
+    out = capsys.readouterr()
+    from titan_te.main import main
+
+    assert main([*SMALL, *CK, f"--job.dump_folder={run}", *hf, "--checkpoint.allow_new_tokenizer=true"]) == 0
+    assert "resumed from" in capsys.readouterr().out and out.err == ""
+
+
+# --- round 2: prepare publishes whole or not at all ------------------------------------------------------
+def _corpus(path: Path, docs: int = 40, bad_at: int | None = None) -> Path:
+    lines = [json.dumps({"text": f"document {i}: " + "some text " * 30}) for i in range(docs)]
+    if bad_at is not None:
+        lines[bad_at] = "{not json"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_prepare_checks_its_input_before_it_touches_the_output(capsys, tmp_path):
+    src = _corpus(tmp_path / "c.jsonl")
+    out = tmp_path / "sh"
+    from titan_te.data.prepare import main as prepare_main
+
+    assert prepare_main([f"--input={src}", f"--output={out}", "--workers=1"]) == 0
+    before = _tree(out)
+    _prepare([f"--input={src}.typo", f"--output={out}", "--overwrite", "--workers=1"], capsys, "no such file")
+    _prepare([f"--input={src}", f"--output={out}", "--overwrite", "--tokenizer=hf", "--workers=1"], capsys,
+             "needs data.tokenizer_path")
+    assert _tree(out) == before  # every shard and the manifest as they were
+    train(["--data.dataset=tokens", f"--data.path={out}", "--training.steps=0"], capsys, CONFIG, "training.steps",
+          tmp_path)
+
+
+def test_a_failed_prepare_publishes_nothing_and_half_shards_are_never_read(capsys, tmp_path):
+    src = _corpus(tmp_path / "c.jsonl", docs=60, bad_at=50)
+    out = tmp_path / "sh"
+    _prepare([f"--input={src}", f"--output={out}", "--workers=1", "--shard_tokens=2000"], capsys,
+             f"{src}:51: not a JSON record")
+    assert not list(out.glob("train-*")) and not (out / ".prepare-staging").exists()
+    # an earlier prepare output stays whole when a second run fails part-way
+    good = _corpus(tmp_path / "good.jsonl", docs=20)
+    from titan_te.data.prepare import main as prepare_main
+
+    assert prepare_main([f"--input={good}", f"--output={out}", "--workers=1", "--shard_tokens=2000"]) == 0
+    before = _tree(out)
+    _prepare([f"--input={src}", f"--output={out}", "--overwrite", "--workers=1", "--shard_tokens=2000"], capsys,
+             "not a JSON record")
+    assert _tree(out) == before
+    # shards copied without their prepare.json (by hand, or left by an older titan_te's failed run) are refused
+    (out / "prepare.json").unlink()
+    train(["--data.dataset=tokens", f"--data.path={out}"], capsys, CONFIG, "has no prepare.json", tmp_path)
+
+
+def test_prepare_onto_a_full_disk_is_one_line_and_keeps_the_earlier_output(capsys, tmp_path, small_disk):
+    from titan_te.data.prepare import main as prepare_main
+
+    disk = small_disk("1m")
+    out = disk / "sh"
+    assert prepare_main([f"--input={_corpus(tmp_path / 'small.jsonl', docs=10)}", f"--output={out}",
+                         "--workers=1"]) == 0
+    before = _tree(out)
+    big = _corpus(tmp_path / "big.jsonl", docs=3000)  # ~1 MB of text: 2 MB of uint16 tokens
+    _prepare([f"--input={big}", f"--output={out}", "--overwrite", "--workers=1"], capsys, "No space left on device")
+    assert _tree(out) == before and not (out / ".prepare-staging").exists()
+
+
+def test_the_tools_command_line_mistakes_are_one_line(capsys, tmp_path):
+    _prepare(["--output=x"], capsys, "the following arguments are required: --input")
+    _prepare(["--input=a", "--output=b", "--workers=two"], capsys, "argument --workers: invalid int value")
+    _prepare(["--input=a", "--output=b", "--frobnicate"], capsys, "unrecognized arguments: --frobnicate")
+    _prepare(["--input=a\0b", "--output=b"], capsys, "holds a NUL character")
+    _export(["--checkpoint=x"], capsys, "the following arguments are required: --out")
+    _export(["--checkpoint=x", "--out=y", "--dtype=int8"], capsys, "argument --dtype: invalid choice")
+
+
+def test_ctrl_c_in_prepare_is_one_line_and_publishes_nothing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = _corpus(tmp_path / "c.jsonl", docs=400_000)
+    out = tmp_path / "sh"
+    p = subprocess.Popen([sys.executable, "-m", "titan_te.data.prepare", f"--input={src}", f"--output={out}",
+                          "--workers=2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (out / ".prepare-staging").is_dir() or not list((out / ".prepare-staging").glob("*.bin")):
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C: the tool and its worker processes
+    _, err = p.communicate(timeout=60)
+    err = err.split("\r")[-1]  # the progress line rewrites itself with \r
+    _one_line(err, 130, p.returncode, "interrupted: SIGINT while preparing", "nothing was")
+    assert [q.name for q in out.iterdir()] == [".lock"]
+
+
+# --- round 2: unreadable inputs, as a user who is not root ------------------------------------------------
+@pytest.mark.parametrize("what", ["txt", "jsonl", "shard", "tokenizer"])
+def test_unreadable_input_files_are_one_line(what, tmp_path, hf_tokenizer_file):
+    import subprocess
+    import sys
+
+    from conftest import without_root_override
+    from titan_te.data.prepare import main as prepare_main
+
+    src = tmp_path / "c.txt"
+    src.write_text("some text to train on " * 400)
+    args, locked = [], src
+    if what == "txt":
+        args = ["--data.dataset=files", f"--data.path={src}"]
+    elif what == "jsonl":
+        locked = _corpus(tmp_path / "c.jsonl")
+        args = ["--data.dataset=files", f"--data.path={locked}"]
+    elif what == "shard":
+        assert prepare_main([f"--input={src}", f"--output={tmp_path / 'sh'}", "--workers=1"]) == 0
+        locked = tmp_path / "sh/train-00000.bin"
+        args = ["--data.dataset=tokens", f"--data.path={tmp_path / 'sh'}"]
+    else:
+        locked = tmp_path / "tokenizer.json"
+        shutil.copy(hf_tokenizer_file, locked)
+        args = ["--data.tokenizer=hf", f"--data.tokenizer_path={locked}"]
+    locked.chmod(0)
+    r = subprocess.run(without_root_override([sys.executable, str(ROOT / "train.py"), *SMALL,
+                                              f"--job.dump_folder={tmp_path / 'runs'}", *args]),
+                       capture_output=True, text=True, timeout=120)
+    _one_line(r.stderr, 2, r.returncode, "config error: ", f"{locked}: cannot be read (Permission denied)")
+
+
+
+# --- round 2: export writes a folder of its own ---------------------------------------------------------------
+def test_export_replaces_an_earlier_export_whole_and_refuses_other_folders(run, capsys, tmp_path):
+    """An index.json of an earlier sharded export must not survive beside a new single-file export (the
+    reader would prefer it and load the OLD weights); a folder that is not an export of ours is refused."""
+    from titan_te.export import main as export_main
+
+    ck, out = run / "debug/checkpoint", tmp_path / "hf"
+    assert export_main(["--checkpoint", str(ck / "step-2"), "--out", str(out)]) == 0
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # as an older sharded export left it
+    assert export_main(["--checkpoint", str(ck / "step-4"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "titan_te_export.json"]
+    assert json.loads((out / "titan_te_export.json").read_text())["checkpoint"].endswith("step-4")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    _export(["--checkpoint", str(ck / "step-4"), "--out", str(mine)], capsys,
+            "is not empty and not an earlier export of titan_te (it holds config.json)")
+    assert (mine / "config.json").read_text() == "{}"
+
+
+def test_export_reads_the_model_from_the_checkpoint_not_a_later_runs_config(run, capsys, tmp_path):
+    from titan_te.export import main as export_main
+
+    cfg = run / "debug/config.toml"
+    cfg.write_text(cfg.read_text().replace('flavor = "debug"', 'flavor = "1B"'))  # a later run of another flavor
+    for step in (2, 4):
+        _set_manifest(run / f"debug/checkpoint/step-{step}", run_folder=str(run / "debug"))
+    assert export_main(["--checkpoint", str(run / "debug/checkpoint/step-4"), "--out", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf/config.json").read_text())["hidden_size"] == 256  # debug's, not 1B's
+
+
+def test_export_of_a_truncated_file_and_onto_a_full_disk_is_one_line(run, capsys, small_disk):
+    ck = run / "debug/checkpoint"
+    disk = small_disk("2m")
+    _export(["--checkpoint", str(ck / "step-4"), "--out", str(disk / "hf")], capsys, "No space left on device")
+    assert list(disk.iterdir()) == []  # nothing half-written
+    distcp = _first(ck / "step-2", "*.distcp")
+    distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+    _export(["--checkpoint", str(ck / "step-2"), "--out", str(disk / "hf")], capsys, "corrupt or unreadable")
+
+
+# --- round 2: a rendezvous that does not happen ----------------------------------------------------------
+def test_a_head_node_whose_peer_never_joins_names_it_within_the_rendezvous_timeout(tmp_path):
+    import subprocess
+    import time
+
+    from test_launcher import _env
+
+    t0 = time.monotonic()
+    r = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=_env(NNODES=2, NODE_RANK=0, NGPU=1, MASTER_PORT=_free_port()))
+    _one_line(r.stderr, 2, r.returncode, "config error: ", "node 1 of 2 (rank 1) did not join rank 0")
+    assert "within 3 s (parallelism.rendezvous_timeout_s)" in r.stderr and time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR / MASTER_PORT are not; if no other process of this job"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nohost.invalid", "MASTER_PORT": "29555"},
+     "could not reach rank 0 at nohost.invalid:29555 within 2 s"),
+    ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"},
+     "RANK=3 in the environment must be within [0, 1]"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0x"},
+     "MASTER_PORT='0x' in the environment is not a whole number"),
+], ids=["stale-rank", "wrong-master", "rank-beyond-world", "bad-port"])
+def test_stale_or_wrong_rendezvous_variables_are_one_line(env, fragment, tmp_path):
+    import subprocess
+    import sys
+
+    from test_launcher import _env
+
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL, f"--job.dump_folder={tmp_path}",
+                        "--parallelism.rendezvous_timeout_s=2"], capture_output=True, text=True, timeout=120,
+                       env=_env(**env))
+    _one_line(r.stderr, 2, r.returncode, "config error: ", fragment)
+
+
+def _free_port() -> int:
+    from helpers import free_port
+
+    return free_port()
+
+
+# --- round 2: the run folder's own files ------------------------------------------------------------------
+@pytest.mark.parametrize("case, fragment", [
+    ("tb-is-a-file", "the TensorBoard folder"),
+    ("logs-is-a-file", "the run's log folder"),
+    ("traces-unwritable", "profiling.traces_folder /proc/titan_te_traces cannot be created or written"),
+    ("snapshots-nul", "profiling.memory_snapshot_folder = 'a\\x00b' holds a NUL character"),
+    ("checkpoint-nul", "checkpoint.folder = 'ck\\x00' holds a NUL character"),
+    ("run-path-too-long", "over the limit of 4,095 bytes"),
+    ("name-too-long", "longer than a file name can be (255)"),
+], ids=lambda x: x if "-" in x else "")
+def test_the_run_folders_own_files_are_one_line(case, fragment, capsys, tmp_path):
+    run = tmp_path / "debug"
+    run.mkdir()
+    args = ["--metrics.enable_tensorboard=true"]
+    if case == "tb-is-a-file":
+        (run / "tb").write_text("x")
+    elif case == "logs-is-a-file":
+        (run / "logs").write_text("x")
+    elif case == "traces-unwritable":
+        args += ["--profiling.enable_profiling=true", "--profiling.traces_folder=/proc/titan_te_traces"]
+    elif case == "snapshots-nul":
+        args += ["--profiling.memory_snapshot_folder=a\0b"]
+    elif case == "checkpoint-nul":
+        args += ["--checkpoint.folder=ck\0"]
+    elif case == "run-path-too-long":
+        args += [f"--job.dump_folder={tmp_path / '/'.join(['d' * 200] * 20)}"]
+    else:
+        args += ["--job.name=" + "n" * 256]
+    train(args, capsys, CONFIG, fragment, tmp_path if "path" not in case else None)
+
+
+def test_a_read_only_tensorboard_folder_is_one_line_for_a_user_who_is_not_root(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import without_root_override
+
+    (tmp_path / "debug/tb").mkdir(parents=True)
+    (tmp_path / "debug/tb").chmod(0o555)
+    r = subprocess.run(without_root_override([sys.executable, str(ROOT / "train.py"), *SMALL,
+                                              "--metrics.enable_tensorboard=true", f"--job.dump_folder={tmp_path}"]),
+                       capture_output=True, text=True, timeout=120)
+    _one_line(r.stderr, 2, r.returncode, "config error: ", "cannot be created or written (Permission denied)")
+
+
+def test_a_run_folder_on_a_full_disk_is_one_line(capsys, tmp_path, small_disk):
+    disk = small_disk("64k")
+    (disk / "filler").write_bytes(b"x" * 60_000)
+    while True:  # fill every last block
+        try:
+            with open(disk / "filler", "ab") as f:
+                f.write(b"x" * 4096)
+        except OSError:
+            break
+    train([f"--job.dump_folder={disk}"], capsys, CONFIG, "No space left on device")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import entries
+
 from conftest import ROOT
 
 SMALL = ["--training.seq_len=32", "--training.local_batch_size=2", "--metrics.log_freq=1",
@@ -65,7 +67,7 @@ def _alive(pid: int) -> bool:
 
 
 def _steps(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    return entries(folder) if folder.is_dir() else []
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])

@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # Python < 3.11
 
 
 from titan_te.errors import ConfigError
+from titan_te.paths import RUN_FOLDER_ROOM, check_path
 
 @dataclass(frozen=True)
 class Bounds:
@@ -54,14 +55,15 @@ WEEK_S = 7 * 24 * 3600
 
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None,
-        bounds: Bounds | None = None):
+        bounds: Bounds | None = None, path: str | None = None):
     """A config field with a default and a one-line doc.
 
     `choices` is a fixed set of values; `registry` names "module:ATTR" of a Registry whose names
     are the valid values (resolved lazily so custom imports can add entries first); `bounds` is the
-    valid interval of a number (every float must also be finite: NaN and inf are never valid).
+    valid interval of a number (every float must also be finite: NaN and inf are never valid); `path`
+    marks a file-system path: "run" for one inside the run folder unless absolute, "any" for others.
     """
-    meta = {"doc": doc, "choices": choices, "registry": registry, "bounds": bounds}
+    meta = {"doc": doc, "choices": choices, "registry": registry, "bounds": bounds, "path": path}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -73,7 +75,7 @@ def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str |
 @dataclass
 class Job:
     name: str = opt("debug", "run name; the run folder is <dump_folder>/<name>")
-    dump_folder: str = opt("./outputs", "root folder for all runs")
+    dump_folder: str = opt("./outputs", "root folder for all runs", path="any")
     description: str = opt("", "free text shown in the startup summary")
     custom_import: str = opt("", "module to import first, e.g. to register your own model or dataset")
 
@@ -116,16 +118,17 @@ class Data:
                                    "hf (a Hugging Face dataset, streamed)",
                        registry="titan_te.data:DATASETS")
     path: str = opt("", "files: a .txt/.jsonl/.json/.parquet file, folder or glob; tokens: the shard folder; "
-                        "hf: the dataset name (or a builder such as json with hf_data_files)")
+                        "hf: the dataset name (or a builder such as json with hf_data_files)", path="any")
     tokenizer: str = opt("byte", "tokenizer: byte (no files), hf (tokenizer.json) or tiktoken (.model)",
                          registry="titan_te.data:TOKENIZERS")
-    tokenizer_path: str = opt("", "the hf / tiktoken tokenizer file (or its folder)")
+    tokenizer_path: str = opt("", "the hf / tiktoken tokenizer file (or its folder)", path="any")
     text_field: str = opt("text", "field holding the text in .jsonl / .parquet records")
     num_workers: int = opt(0, "data-loader worker processes", bounds=Bounds(0, 256))
     shuffle: bool = opt(True, "shuffle sequences each epoch (seeded by training.seed)")
     hf_subset: str = opt("", "hf: the dataset's configuration (subset) name, if it has several")
     hf_split: str = opt("train", "hf: the split to stream")
-    hf_data_files: str = opt("", "hf: data files (a path or glob) for builders such as json or parquet")
+    hf_data_files: str = opt("", "hf: data files (a path or glob) for builders such as json or parquet",
+                             path="any")
     hf_shuffle_buffer: int = opt(10000, "hf: records in the shuffle buffer", bounds=Bounds(1, 10**8))
 
 
@@ -149,6 +152,8 @@ class Parallelism:
                                           "(no parameter and gradient copies: about 7% of an 8B FP8 step on one "
                                           "H200); checkpoints load into either layout; the FP8 presets set it")
     comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails", bounds=Bounds(1, WEEK_S))
+    rendezvous_timeout_s: int = opt(300, "seconds rank 0 waits at start-up for every rank (node) to join; then one "
+                                         "line names the ones that did not", bounds=Bounds(1, WEEK_S))
 
 
 @dataclass
@@ -191,18 +196,20 @@ class Profiling:
     enable_profiling: bool = opt(False, "write torch.profiler traces of steps profile_start .. +profile_active")
     profile_start: int = opt(5, "first traced step", bounds=Bounds(1))
     profile_active: int = opt(2, "number of traced steps", bounds=Bounds(1))
-    traces_folder: str = opt("profile_traces", "trace folder inside the run folder")
+    traces_folder: str = opt("profile_traces", "trace folder inside the run folder (or an absolute path)",
+                             path="run")
     enable_memory_snapshot: bool = opt(False, "record CUDA allocations; write a snapshot at "
                                               "memory_snapshot_steps and on out-of-memory")
     memory_snapshot_steps: list = opt([], "steps after which a CUDA memory snapshot is written")
-    memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside the run folder")
+    memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside the run folder (or an absolute "
+                                                          "path)", path="run")
     memory_history_entries: int = opt(100000, "allocation events kept for the snapshot", bounds=Bounds(1))
 
 
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "save DCP checkpoints and resume from the newest one")
-    folder: str = opt("checkpoint", "checkpoint folder inside the run folder (or an absolute path)")
+    folder: str = opt("checkpoint", "checkpoint folder inside the run folder (or an absolute path)", path="run")
     interval: int = opt(500, "save every N steps (the last step is always saved)", bounds=Bounds(1))
     async_mode: str = opt("disabled", "disabled (training waits for the write), async (copy and write "
                                       "in the background) or async_with_pinned_mem (copy into reused pinned "
@@ -213,6 +220,11 @@ class Checkpoint:
     replace_newer: bool = opt(False, "allow a resume that would make later saves replace newer checkpoints "
                                      "(an older load_step, or train_state excluded); they are moved to "
                                      "<folder>/superseded-<time>/, never deleted")
+    resume_other_run: bool = opt(False, "resume from a checkpoint.folder outside this run folder whose newest "
+                                        "checkpoint another run folder wrote: this run continues that run (its "
+                                        "lineage, and keep_latest_k over its checkpoints)")
+    allow_new_tokenizer: bool = opt(False, "resume a checkpoint trained with another tokenizer (kind, vocabulary or "
+                                           "its size): its embedding rows then stand for other tokens")
     exclude_from_loading: list = opt([], "parts not restored on resume: model, optimizer, lr_scheduler, "
                                          "dataloader, train_state, rng, fp8",
                                      registry="titan_te.checkpoint.parts:PARTS")
@@ -220,7 +232,7 @@ class Checkpoint:
                                            "I/O, permission) before the run stops with exit code 3", bounds=NON_NEGATIVE)
     write_threads: int = opt(2, "threads per rank writing checkpoint files", bounds=Bounds(1, 64))
     initial_load_path: str = opt("", "Hugging Face Llama folder (safetensors) to start from when the run "
-                                     "has no checkpoint yet (fine-tuning)")
+                                     "has no checkpoint yet (fine-tuning)", path="any")
     last_save_model_only: bool = opt(False, "the final save holds only the model weights (in export_dtype)")
     export_dtype: str = opt("float32", "dtype of model-only saves", choices=("float32", "bfloat16"))
 
@@ -534,7 +546,10 @@ def _registry(spec: str):
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not a number of processes >= 1")
+    return int(raw)
 
 
 def _custom_import(module: str, where: str) -> None:
@@ -629,7 +644,10 @@ def validate(cfg: Config, source: str) -> None:
 
 
 def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None:
-    """A value within its option's choices and bounds; no float option takes NaN or inf."""
+    """A value within its option's choices and bounds; no float option takes NaN or inf; a path the OS
+    can take."""
+    if f.metadata.get("path") and isinstance(value, str):
+        check_path(key, value, where)
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"
                           f"{_closest(str(value), list(f.metadata['choices']))} {where}")
@@ -643,11 +661,18 @@ def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None
 
 
 def _check_bounds(cfg: Config, where: str) -> None:
-    """Every number within its option's bounds; no float option takes NaN or inf."""
+    """Every value within its option's bounds (no float option takes NaN or inf, every path one the OS
+    can take); the folders inside the run folder with room for the files the run writes there."""
     for section, cls in sections().items():
         body = getattr(cfg, section)
         for name, f in _fields(cls).items():
             _check_field(f"{section}.{name}", f, getattr(body, name), where)
+    check_path("job.dump_folder / job.name", str(cfg.run_folder), where, RUN_FOLDER_ROOM)
+    for section, cls in sections().items():
+        for name, f in _fields(cls).items():
+            if f.metadata.get("path") == "run":
+                check_path(f"{section}.{name}", str(cfg.run_folder / getattr(getattr(cfg, section), name)), where,
+                           RUN_FOLDER_ROOM)
 
 
 def _check_values(cfg: Config, where: str) -> None:

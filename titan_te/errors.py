@@ -5,6 +5,8 @@ titan_te and keeps its traceback (exit code 1).
 """
 from __future__ import annotations
 
+import sys
+
 
 class UserError(Exception):
     """A mistake or condition the user can act on; never shown with a traceback."""
@@ -35,6 +37,11 @@ class DataError(ConfigError):
     """Bad input data (a missing path, an empty dataset, bad UTF-8, a corrupt shard ...)."""
 
 
+def unreadable(path, e: OSError, key: str = "") -> DataError:
+    """`[key: ]<path>: cannot be read (<why>)` for a file of the user's that the OS will not hand us."""
+    return DataError(f"{key + ': ' if key else ''}{path}: cannot be read ({e.strerror or e})")
+
+
 class CheckpointError(UserError):
     """A checkpoint that cannot be written or read; the message says what to do."""
 
@@ -63,4 +70,31 @@ class Preempted(UserError):
     prefix = "preempted"
 
 
+class Interrupted(BaseException):
+    """A stop signal before training started, or in a tool (prepare, export): exit 128 + N, one line.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    prefix = "interrupted"
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(signum, what)
+        self.signum, self.what = signum, what
+        self.exit_code = 128 + signum
+
+    def line(self) -> str:
+        import signal
+
+        return (f"{self.prefix}: {signal.Signals(self.signum).name} while {self.what}; nothing was saved or "
+                f"changed (rerun the same command to start again)")
+
+
 EXIT_CODES = {cls.exit_code: cls for cls in (ConfigError, CheckpointError, OutOfMemory, Preempted)}
+
+
+def say(line: str) -> None:
+    """The one line on stderr; a closed terminal (SIGHUP) must not turn the exit code into a traceback."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass

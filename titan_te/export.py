@@ -7,24 +7,35 @@ checkpoint holds them (FP8 / BF16 weights with masters), else the model weights.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
+import json
+import os
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_te import config as config_mod
+from titan_te.checkpoint.errors import describe
 from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
-from titan_te.errors import ExportError, UserError
+from titan_te.errors import ExportError
 from titan_te.hf_io import save_hf_folder
 from titan_te.models import MODELS
+from titan_te.paths import check_path
+from titan_te.preemption import SIGNALS
 from titan_te.registry import RegistryError
+from titan_te.run_folder import why
+from titan_te.tool_cli import OneLineParser, run_tool, stderr_is_clean
 
 DEFAULT_DTYPE = config_mod.Checkpoint.export_dtype  # one default for both ways of exporting
+MARKER = "titan_te_export.json"  # marks a folder as an export of ours: a later export may replace it
 
 
 def read_full_model(ckpt: Path) -> tuple[dict, int]:
@@ -55,36 +66,55 @@ def _nest(flat: dict) -> dict:
     return out
 
 
-def run_config(ckpt: Path) -> tuple[config_mod.Config, Path]:
-    """The resolved config of the run that wrote `ckpt` (its manifest names the run folder)."""
+@dataclass
+class RunFacts:
+    """What export needs to rebuild the model of a checkpoint: from its manifest (written by the run that
+    saved it), or from the run folder's config.toml for checkpoints of an older titan_te."""
+
+    model: str
+    flavor: str
+    seq_len: int
+    custom_import: str
+    bos_id: int
+    eos_id: int
+
+
+def run_facts(ckpt: Path) -> RunFacts:
     manifest = Manifest.read(ckpt)
+    facts = manifest.facts if manifest else {}
+    if "export" in facts and "model" in facts:
+        m, e = facts["model"], facts["export"]
+        return RunFacts(m["name"], m["flavor"], e["seq_len"], e["custom_import"], e["bos_id"], e["eos_id"])
+    cfg = _older_run_config(ckpt, manifest)
+    tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
+    return RunFacts(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.job.custom_import,
+                    int(tokenizer.bos_id), int(tokenizer.eos_id))
+
+
+def _older_run_config(ckpt: Path, manifest: Manifest | None) -> config_mod.Config:
+    """The resolved config of the run that wrote `ckpt` (its manifest names the run folder)."""
     candidates = ([Path(manifest.run_folder) / "config.toml"] if manifest and manifest.run_folder else []) + \
         [ckpt.parent.parent / "config.toml"]
     for path in candidates:
         if path.is_file():
-            return config_mod.build(config_mod.load_toml(str(path)), [], str(path)), path
+            return config_mod.build(config_mod.load_toml(str(path)), [], str(path))
     raise ExportError(f"no config.toml of the run that wrote {ckpt} (looked at {', '.join(map(str, candidates))}); "
                       f"it names the model flavor")
 
 
-def model_spec(cfg: config_mod.Config):
+def model_spec(facts: RunFacts):
     """The run's ModelSpec (importing its job.custom_import first); it must offer an HF adapter."""
     try:
-        if cfg.job.custom_import:
-            importlib.import_module(cfg.job.custom_import)
-        spec = MODELS.get(cfg.model.name)
+        if facts.custom_import:
+            importlib.import_module(facts.custom_import)
+        spec = MODELS.get(facts.model)
     except (ImportError, RegistryError) as e:
-        raise ExportError(f"model {cfg.model.name!r} of the run is not available here ({e})") from None
+        raise ExportError(f"model {facts.model!r} of the run is not available here ({e})") from None
     if spec.hf is None:
         raise ExportError(f"model {spec.name} has no Hugging Face adapter (ModelSpec.hf), so it cannot be exported")
+    if facts.flavor not in spec.flavors:
+        raise ExportError(f"model.flavor {facts.flavor!r} of the run is not a flavor of {facts.model}")
     return spec
-
-
-def model_args_for(cfg: config_mod.Config, state: dict, spec, adapter):
-    """The flavor's args, sized by the model's HF adapter from the checkpoint's tensors (blocks, vocabulary)."""
-    if cfg.model.flavor not in spec.flavors:
-        raise ExportError(f"model.flavor {cfg.model.flavor!r} of the run is not a flavor of {cfg.model.name}")
-    return adapter.export_args(spec.flavors[cfg.model.flavor], state, cfg.training.seq_len)
 
 
 def _not_a_checkpoint(path: Path) -> str:
@@ -95,46 +125,85 @@ def _not_a_checkpoint(path: Path) -> str:
     return f"{path} is not a complete DCP checkpoint (no .metadata)"
 
 
-def export(ckpt: Path, out: Path, dtype_name: str) -> str:
-    if not (ckpt / ".metadata").is_file():
-        raise ExportError(_not_a_checkpoint(ckpt))
+def _check_out(out: Path) -> bool:
+    """May `out` be written? Returns whether it holds an earlier export (replaced whole)."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file, not a folder")
     try:
+        present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    except OSError as e:
+        raise ExportError(f"--out {out} cannot be read ({why(e)})") from None
+    if not present:
+        return False
+    if MARKER not in present:
+        shown = ", ".join(present[:4]) + (", ..." if len(present) > 4 else "")
+        raise ExportError(f"--out {out} is not empty and not an earlier export of titan_te (it holds {shown}); "
+                          f"export into a new or empty folder")
+    return True
+
+
+def export(ckpt: Path, out: Path, dtype_name: str) -> str:
+    """Write the checkpoint's model as a Hugging Face Llama folder. Everything is read and converted
+    first; the folder is written beside `out` and put in place whole (an earlier export there is
+    replaced whole), so a failure or a stop leaves `out` as it was."""
+    if not (ckpt / ".metadata").is_file():
+        raise ExportError(_not_a_checkpoint(ckpt))
+    replacing = _check_out(out)
+    try:
         state, from_masters = read_full_model(ckpt)
-    except Exception as e:  # noqa: BLE001 -- damaged DCP files: whatever unpickling / reading raises, one line
-        raise ExportError(f"{ckpt} is corrupt or unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-            from None
-    cfg, _ = run_config(ckpt)
-    spec = model_spec(cfg)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- damaged DCP files: whatever unpickling / reading raises, one line
+        raise ExportError(f"{ckpt} is corrupt or unreadable ({describe(e)})") from None
+    facts = run_facts(ckpt)
+    spec = model_spec(facts)
     hf_io = importlib.import_module(spec.hf)
-    args = model_args_for(cfg, state, spec, hf_io)
-    tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
+    args = hf_io.export_args(spec.flavors[facts.flavor], state, facts.seq_len)
     dtype = getattr(torch, dtype_name)
     hf = {k: v.to(dtype) for k, v in hf_io.to_hf(state, args).items()}
-    config = {**hf_io.hf_config(args, dtype_name), "bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id)}
-    save_hf_folder(hf, config, out)
+    config = {**hf_io.hf_config(args, dtype_name), "bos_token_id": facts.bos_id, "eos_token_id": facts.eos_id}
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        save_hf_folder(hf, config, staging)
+        (staging / MARKER).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "dtype": dtype_name}) + "\n")
+        _publish(staging, out, replacing)
+    except (OSError, SafetensorError) as e:
+        raise ExportError(f"--out {out} cannot be written ({describe(e)}); nothing was written there") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return (f"exported {len(hf)} tensors ({sum(t.numel() for t in hf.values()) / 1e6:,.1f} M parameters, "
             f"{from_masters} from FP32 master weights) as {dtype_name} to {out}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_te.export", description=__doc__.splitlines()[0])
+def _publish(staging: Path, out: Path, replacing: bool) -> None:
+    if out.is_dir() and not replacing:
+        out.rmdir()  # empty (checked): the new folder takes its place
+    if replacing:
+        old = out.parent / f".{out.name}.export-old-{os.getpid()}"
+        out.rename(old)
+        staging.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        staging.rename(out)
+
+
+def main(argv=None, exits_after: bool = False) -> int:
+    return run_tool(ExportError.prefix, lambda: _main(sys.argv[1:] if argv is None else argv), exits_after)
+
+
+def _main(argv) -> int:
+    ap = OneLineParser(prog="python -m titan_te.export", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, help="a DCP folder: <run>/checkpoint/step-<N>")
-    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--out", required=True, help="output folder (new, empty, or an earlier export: replaced whole)")
     ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["float32", "bfloat16", "float16"],
                     help="dtype of the exported weights (default: %(default)s, as checkpoint.export_dtype)")
     a = ap.parse_args(argv)
-    try:
-        print(export(Path(a.checkpoint), Path(a.out), a.dtype))
-    except UserError as e:  # the run's config.toml may raise ConfigError: still the export's input
-        print(f"{ExportError.prefix}: {e.msg}", file=sys.stderr)
-        return ExportError.exit_code
-    except OSError as e:
-        print(f"export error: {e.filename or a.out}: {e.strerror}", file=sys.stderr)
-        return 2
+    for key in ("checkpoint", "out"):
+        check_path(f"--{key}", getattr(a, key), "")
+    stderr_is_clean()
+    SIGNALS.doing(f"exporting to {a.out}")
+    print(export(Path(a.checkpoint), Path(a.out), a.dtype))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exits_after=True))

@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from titan_te.errors import EXIT_CODES, ConfigError
+from titan_te.errors import EXIT_CODES, ConfigError, say
+from titan_te.preemption import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "train_configs" / "debug.toml"
@@ -152,19 +153,18 @@ class Worker:
         return self.code is not None
 
 
-def exit_code(workers: list[Worker]) -> Worker | None:
+def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker | None:
     """The worker whose exit code the launcher returns: the first to exit with a documented code (2, 3,
-    4, 75), else the first to fail; None when all succeeded. Workers the launcher stopped do not count."""
+    4, 75, or 128 + N after the launcher forwarded signal N), else the first to fail; None when all
+    succeeded. Workers the launcher stopped do not count."""
     failed = sorted((w for w in workers if w.code and not w.killed), key=lambda w: w.ended_at)
-    documented = [w for w in failed if w.code in EXIT_CODES]
+    documented = [w for w in failed if w.code in EXIT_CODES or w.code in expected]
     return (documented or failed or [None])[0]
 
 
 def run(argv: list[str]) -> int:
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", str(DEFAULT_CONFIG), *argv]
-    plan = Plan()
     received: list[int] = []
+    workers: list[Worker] = []
 
     def forward(signum, _frame):
         received.append(signum)
@@ -175,11 +175,18 @@ def run(argv: list[str]) -> int:
                 except ProcessLookupError:
                     pass
 
-    workers: list[Worker] = []
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for s in STOP_SIGNALS:  # first: a signal before the workers exist is one line, not a traceback
         signal.signal(s, forward)
+    if not any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = ["--config", str(DEFAULT_CONFIG), *argv]
+    plan = Plan()
     for local_rank in range(plan.nproc):
+        if received:
+            break
         workers.append(Worker(plan, local_rank, argv))
+    if received and not workers:
+        say(f"interrupted: {signal.Signals(received[0]).name} before the workers started; nothing was run")
+        return 128 + received[0]
     for w in workers:
         w.start_reader()
     first_failure = None
@@ -201,14 +208,14 @@ def run(argv: list[str]) -> int:
         elif waited > GRACE_S + TERM_S:
             for w in alive:
                 w.proc.kill()
-    decider = exit_code(workers)
+    decider = exit_code(workers, {128 + s for s in received})
     if decider is None:
         return 0
     if not any(w.shown and w.code == decider.code for w in workers):
         for line in decider.tail:  # what the deciding rank printed last (its full log is in the run folder)
-            print(f"[rank{decider.rank}] {line}", file=sys.stderr)
-    if decider.code not in EXIT_CODES:
-        print(f"launcher: rank {decider.rank} failed with exit code {decider.code}", file=sys.stderr)
+            say(f"[rank{decider.rank}] {line}")
+    if decider.code not in EXIT_CODES and decider.code - 128 not in received:
+        say(f"launcher: rank {decider.rank} failed with exit code {decider.code}")
     return decider.code
 
 
@@ -216,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(e.line(), file=sys.stderr)
+        say(e.line())
         return e.exit_code
 
 

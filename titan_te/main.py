@@ -1,18 +1,17 @@
 """Command-line entry: parse the config, build the Trainer, train.
 
 A user mistake or condition (titan_te.errors.UserError) prints one line on stderr and exits with its
-code: 2 config/data, 3 checkpoint, 4 out of memory, 75 preempted. Anything else is a bug: traceback,
-exit code 1.
+code: 2 config/data, 3 checkpoint, 4 out of memory, 75 preempted; a stop signal before training
+started is one line too (exit 128 + N). Anything else is a bug: traceback, exit code 1.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from pathlib import Path
 
-from titan_te import config as config_mod
-from titan_te.errors import UserError
-from titan_te.logging_setup import setup_logging
+from titan_te.errors import Interrupted, UserError, say
+from titan_te.preemption import SIGNALS
 
 logger = logging.getLogger("titan_te")
 
@@ -25,12 +24,30 @@ def _own_message(err: UserError) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
+    """`exits_after`: called as the process's entry point (train.py), which exits right after."""
+    with SIGNALS.installed(for_good=exits_after):  # before anything else: a Ctrl-C during the imports is one line too
+        try:
+            return _main(sys.argv[1:] if argv is None else argv)
+        except Interrupted as e:
+            say(e.line())
+            return e.exit_code
+
+
+def _main(argv: list[str]) -> int:
+    # torch's C++ warnings (e.g. a rendezvous retrying its connection, twenty lines a second) would bury
+    # the one line a user needs; TORCH_CPP_LOG_LEVEL=INFO brings them back
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from pathlib import Path
+
+    from titan_te import config as config_mod
+    from titan_te.logging_setup import setup_logging
+
+    SIGNALS.doing("reading the config")
     try:
         cfg, args = config_mod.load(argv)
     except UserError as e:
-        print(e.line(), file=sys.stderr)
+        say(e.line())
         return e.exit_code
     if args.help:
         sys.stdout.write(config_mod.help_text(cfg if args.config_file else None, Path(args.config_file or "").name))
@@ -44,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     clean = False  # an unexpected crash skips the exit barrier
     try:
         code, line, clean = _train(cfg)
+        SIGNALS.decided = code
         if line:
-            print(line, file=sys.stderr)
+            say(line)
     finally:
         shutdown(clean)  # _train has returned: the Trainer is unreachable and freed there
     return code

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from titan_te.errors import ConfigError
+from titan_te.run_folder import make_folder, why
+
 logger = logging.getLogger("titan_te")
 
 # Dense bf16 peak FLOP/s by device-name fragment (MFU is always against bf16, also when FP8 is on).
@@ -81,11 +84,17 @@ class MetricsLogger:
         if mcfg.enable_tensorboard and (rank == 0 or not mcfg.rank_0_only):
             from torch.utils.tensorboard import SummaryWriter
 
+            fix = "free space there, choose another --job.dump_folder or set --metrics.enable_tensorboard=false"
+            make_folder(self.tb_folder, "the TensorBoard folder", fix)
             # A resumed run continues the same step axis. Steps after the checkpoint that a crashed run
             # had already logged are purged (TensorBoard drops older events at or past purge_step), so
             # the curve stays one line with no step written twice.
-            self.writer = SummaryWriter(log_dir=str(self.tb_folder),
-                                        purge_step=start_step + 1 if start_step else None)
+            try:
+                self.writer = SummaryWriter(log_dir=str(self.tb_folder),
+                                            purge_step=start_step + 1 if start_step else None)
+            except OSError as e:
+                raise ConfigError(f"TensorBoard events cannot be written in {self.tb_folder} ({why(e)}); {fix}") \
+                    from None
         self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
         self.started = time.perf_counter()
         self.total_tokens, self.total_time, self.steps_done = 0, 0.0, 0
@@ -128,13 +137,29 @@ class MetricsLogger:
         return values
 
     def write(self, values: dict, step: int) -> None:
-        """TensorBoard scalars at `step` (also for values logged outside the per-step line)."""
+        """TensorBoard scalars at `step` (also for values logged outside the per-step line). A disk that
+        stops taking events (full, gone) ends TensorBoard logging with one warning, never the run."""
         if self.writer is None:
             return
-        for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
-        self.writer.flush()
+        try:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        except OSError as e:
+            self._drop_writer(e)
+
+    def _drop_writer(self, e: OSError) -> None:
+        writer, self.writer = self.writer, None
+        logger.warning(f"TensorBoard events cannot be written to {self.tb_folder} any more ({why(e)}); the console "
+                       f"and the run's log keep every step")
+        try:
+            writer.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._drop_writer(e)

@@ -1,25 +1,32 @@
-"""SIGTERM / SIGINT: every rank finishes the current step, the save completes, then exit 75.
+"""SIGTERM, SIGINT and SIGHUP from the first line of `main` to the last.
 
+One handler, installed by every entry point before it does anything, answers by phase:
+- starting (imports, config, data, model build, resume) and in the `prepare` / `export` tools: the
+  first signal raises `Interrupted` (one line, exit 128 + N): nothing of the run is half-written, since
+  every save and publish is atomic and an interrupted one leaves only a `.tmp` the next start removes;
+- training: the first signal sets a flag; every rank finishes the step, saves, and exits 75;
+- finishing (after the loop, while the process tears down): nothing more happens, the exit code
+  stays what the run decided (75 after a stop save).
 The same signal often arrives twice within moments: Slurm and a terminal's Ctrl-C signal the whole
 process group, and the launcher forwards what it receives to its workers as well. Repeats within
-REPEAT_WINDOW_S count as one request; a signal after that exits at once.
+REPEAT_WINDOW_S count as one request; a repeat after that exits at once. A closed terminal (SIGHUP)
+is a stop request like SIGTERM.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 
-import torch
-import torch.distributed as dist
-
-from titan_te.errors import Preempted
+from titan_te.errors import Interrupted, Preempted
 
 logger = logging.getLogger("titan_te")
 EXIT_PREEMPTED = Preempted.exit_code
 REPEAT_WINDOW_S = 3.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def preempted(step: int, saved: bool) -> Preempted:
@@ -28,38 +35,82 @@ def preempted(step: int, saved: bool) -> Preempted:
                         "; checkpointing is off, nothing was saved"))
 
 
-class PreemptionGuard:
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+class StopSignals:
+    """The process's stop requests (one instance: SIGNALS)."""
 
     def __init__(self):
+        self.phase = "starting"  # starting | training | finishing
         self.flag = False
+        self.what = "starting"  # what the process was doing, for the one line of an interruption
         self._first = 0.0
-        self._old = {}
+        self._old: dict = {}
+        self._depth = 0
+        self._pid = 0
+        self.decided: int | None = None  # the exit code the run has settled on (75 after a stop save), kept by a late exit
 
     def _handler(self, signum, frame):
+        if os.getpid() != self._pid:
+            return  # a forked helper (a data-loader worker): the process that installed the handler decides
         now = time.monotonic()
         if self.flag:
             if now - self._first < REPEAT_WINDOW_S:
                 return  # the same request, delivered twice (process group + launcher)
-            os._exit(128 + signum)  # asked again: no more waiting
+            os._exit(128 + signum if self.decided is None else self.decided)  # asked again: no more waiting
         self.flag, self._first = True, now
-        logger.warning(f"received {signal.Signals(signum).name}: finishing this step, then saving and exiting "
-                       f"(send it again to exit at once)")
+        name = signal.Signals(signum).name
+        if self.phase == "starting":
+            self.phase = "finishing"  # whatever the raise unwinds through is not interrupted again
+            raise Interrupted(signum, self.what)
+        if self.phase == "training":
+            logger.warning(f"received {name}: finishing this step, then saving and exiting (send it again to "
+                           f"exit at once)")
+        else:
+            logger.warning(f"received {name} while finishing the run; send it again to exit at once")
 
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
+    @contextlib.contextmanager
+    def installed(self, for_good: bool = False):
+        """Handlers on for the life of an entry point (the main thread only; nested calls share them).
+        `for_good`: the process exits right after, so they stay while the interpreter tears down (a late
+        repeat of the signal must not turn a saved stop's exit 75 into a kill)."""
+        main = threading.current_thread() is threading.main_thread()
+        if main and self._depth == 0:
+            self.phase, self.flag, self.what, self._pid, self.decided = "starting", False, "starting", os.getpid(), None
+            for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
-        return self
+        self._depth += main
+        try:
+            yield self
+        finally:
+            self._depth -= main
+            if main and self._depth == 0 and not for_good:
+                for s, h in self._old.items():
+                    signal.signal(s, h)
+                self._old.clear()
 
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        return False
+    def doing(self, what: str) -> None:
+        """Names the start-up stage, for the line an interruption prints."""
+        self.what = what
+
+    @contextlib.contextmanager
+    def training(self):
+        """The training loop: a signal becomes a stop request (the handlers are installed here too when
+        the caller is not an entry point, e.g. a test driving a Trainer)."""
+        with self.installed():
+            self.phase = "training"
+            try:
+                yield self
+            finally:
+                self.phase = "finishing"
 
     def requested_everywhere(self, group=None) -> bool:
         """True on every rank as soon as any rank got a signal (all ranks must save together)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1 if self.flag else 0])  # a CPU tensor: goes over gloo on GPU runs too
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
+
+
+SIGNALS = StopSignals()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from titan_te.run_folder import make_folder, why
+
 logger = logging.getLogger("titan_te")
 
 
@@ -23,7 +25,11 @@ class Profiler:
         self.snapshot_folder = run_folder / pcfg.memory_snapshot_folder
         self._prof = None
         self._recording = False
+        if pcfg.enable_profiling:
+            make_folder(self.trace_folder, "profiling.traces_folder", "choose another --profiling.traces_folder")
         if pcfg.enable_memory_snapshot and device.type == "cuda":
+            make_folder(self.snapshot_folder, "profiling.memory_snapshot_folder",
+                        "choose another --profiling.memory_snapshot_folder")
             # Records every allocation from now on, so a snapshot (on request or at an OOM) shows
             # who holds the memory.
             torch.cuda.memory._record_memory_history(max_entries=pcfg.memory_history_entries)
@@ -44,12 +50,15 @@ class Profiler:
     def step_end(self, step: int) -> None:
         if self._prof is not None and step + 1 not in self.trace_steps:
             self._prof.__exit__(None, None, None)
-            folder = self.trace_folder / f"step-{self._first}"
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"rank{self.rank}.json"
-            self._prof.export_chrome_trace(str(path))
+            path = self.trace_folder / f"step-{self._first}" / f"rank{self.rank}.json"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._prof.export_chrome_trace(str(path))
+                logger.info(f"profiling: trace of steps {self._first}-{step} written to {path}")
+            except OSError as e:  # the disk filled up since the start: a trace is not worth the run
+                logger.error(f"profiling: the trace of steps {self._first}-{step} cannot be written to {path} "
+                             f"({why(e)}); training goes on")
             self._prof = None
-            logger.info(f"profiling: trace of steps {self._first}-{step} written to {path}")
         if self._recording and step in self.cfg.memory_snapshot_steps:
             self.snapshot(f"step-{step}")
 
@@ -57,10 +66,14 @@ class Profiler:
         """Write the CUDA memory snapshot (when recording); returns its path."""
         if not self._recording:
             return None
-        self.snapshot_folder.mkdir(parents=True, exist_ok=True)
         path = self.snapshot_folder / f"{name}-rank{self.rank}.pickle"
-        with path.open("wb") as f:
-            pickle.dump(torch.cuda.memory._snapshot(), f)
+        try:
+            self.snapshot_folder.mkdir(parents=True, exist_ok=True)
+            with path.open("wb") as f:
+                pickle.dump(torch.cuda.memory._snapshot(), f)
+        except OSError as e:
+            logger.error(f"profiling: the memory snapshot cannot be written to {path} ({why(e)})")
+            return None
         logger.info(f"profiling: memory snapshot written to {path} (view it at https://pytorch.org/memory_viz)")
         return path
 

@@ -40,11 +40,11 @@ from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
-from titan_te.parallel.dist import init_distributed, on_rank0
+from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
-from titan_te.errors import ConfigError, OutOfMemory, UserError
-from titan_te.preemption import PreemptionGuard, preempted
-from titan_te.run_folder import RunFolderLock, attach_log_file, detach_log_file, log_to_file
+from titan_te.errors import ConfigError, Interrupted, OutOfMemory, UserError
+from titan_te.preemption import SIGNALS, preempted
+from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
 from titan_te.memory_estimate import check_fits, local_world
@@ -115,26 +115,30 @@ class Trainer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:  # the run's log file also says how it ended
-            log_to_file(exc.line() if isinstance(exc, UserError) else
+            log_to_file(exc.line() if isinstance(exc, (UserError, Interrupted)) else
                         "".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
         self.close()
 
     def _build(self, cfg: config_mod.Config) -> None:
         t = cfg.training
         # 1. distributed
+        SIGNALS.doing("joining the process group")
         device_type = resolve_device(t.device)
         rep, shard = config_mod.dp_degrees(cfg.parallelism, config_mod.world_size_from_env())
-        self.env = env = init_distributed(device_type, rep, shard, cfg.parallelism.comm_timeout_s)
+        self.env = env = init_distributed(device_type, rep, shard, cfg.parallelism.comm_timeout_s,
+                                          cfg.parallelism.rendezvous_timeout_s)
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
         self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
         # One trainer per run folder: rank 0 holds its lock until close (a dead holder's lock is taken over).
         self.run_folder = cfg.run_folder
-        self._lock = RunFolderLock(self.run_folder)
+        self._lock = FolderLock(self.run_folder, "run folder", "choose another --job.dump_folder or --job.name",
+                                holder=f"job {cfg.job.name}")
         on_rank0(self._lock.acquire)
         self.log_file = attach_log_file(self.run_folder, env.rank)
 
         # 2. data
+        SIGNALS.doing("reading the data")
         self.tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
         source = DATASETS.get(cfg.data.dataset)(cfg.data, self.tokenizer)
         val_source = None
@@ -148,6 +152,7 @@ class Trainer:
                                            pin_memory=device_type == "cuda")
 
         # 3. model on the meta device (FP8 weights inside TE's quantized_model_init)
+        SIGNALS.doing("building the model")
         self.backend = resolve_backend(cfg.model.backend, device_type)
         logger.info(f"layer backend: {self.backend} (model.backend = {cfg.model.backend})")
         self.fp8 = FP8Context(cfg.fp8, amax_group=dist.group.WORLD)  # amax reduced over data parallel
@@ -203,6 +208,7 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
 
         # 7. checkpoints: resume, or start from Hugging Face weights
+        SIGNALS.doing("resuming")
         self.state = TrainState()
         ck = cfg.checkpoint
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
@@ -235,11 +241,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _facts(self) -> dict:
-        """What a checkpoint must agree with to load into this run (kept in its manifest)."""
-        a, o = self.model_args, self.cfg.optimizer
+        """What a checkpoint must agree with to load into this run (kept in its manifest), and what the
+        export tool needs to rebuild the model from the checkpoint alone."""
+        a, o, tok = self.model_args, self.cfg.optimizer, self.tokenizer
+        identity = getattr(tok, "identity", None) or {"kind": self.cfg.data.tokenizer, "vocab_size": tok.vocab_size}
         return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
                           "dim": a.dim, "vocab_size": a.vocab_size},
-                "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights}}
+                "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights},
+                "tokenizer": dict(identity),
+                "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,
+                           "bos_id": int(tok.bos_id), "eos_id": int(tok.eos_id)}}
 
     def _write_resolved_config(self) -> None:
         path = self.run_folder / "config.toml"
@@ -259,8 +270,10 @@ class Trainer:
                     f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
         ran = "" if self.parallel == p.data_parallel else \
             f" (parallelism.unsharded_one_rank: runs as {self.parallel}, without FSDP's copies)"
+        shared = (f"; {SHARE_GPU}=1: every rank on {self.device} over gloo, a testing mode (slow, not for "
+                  f"training)") if self.env.shared_gpu else ""
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
-                    f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}")
+                    f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}{shared}")
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
                     f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
                     f"{self.model_args.flops_per_token(t.seq_len) * self.tokens_per_step / 1e12:,.2f} TFLOP per step")
@@ -326,12 +339,12 @@ class Trainer:
         and synchronous saves); the last step's values are read when the loop ends."""
         t = self.cfg.training
         stop_at = min(until_step or t.steps, t.steps)
-        self._data_iter = iter(self.dataloader)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
         self._pending = None
-        self._last_done = time.perf_counter()
-        with PreemptionGuard() as preempt:
+        with SIGNALS.training() as preempt:
+            self._data_iter = iter(self.dataloader)
+            self._last_done = time.perf_counter()
             while self.state.step < stop_at:
                 step = self.state.step + 1
                 self.profiler.step_begin(step)
@@ -418,5 +431,7 @@ class Trainer:
 
     def _release(self) -> None:
         detach_log_file()
+        if getattr(self, "checkpointer", None) is not None:
+            self.checkpointer.release()
         if self._lock is not None:
             self._lock.release()

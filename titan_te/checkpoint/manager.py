@@ -28,6 +28,7 @@ from titan_te.checkpoint.errors import describe, is_environmental
 from titan_te.checkpoint.parts import Part
 from titan_te.errors import CheckpointError
 from titan_te.parallel.dist import on_rank0
+from titan_te.run_folder import FolderLock
 
 logger = logging.getLogger("titan_te")
 
@@ -54,7 +55,7 @@ class CheckpointManager:
         self._last_saved = -1
         self.failures_in_a_row = 0
         self.last_blocked_s = 0.0
-        self.pg = self.ctl_pg = self.stager = None
+        self.pg = self.ctl_pg = self.stager = self._lock = None
         if not self.enabled:
             return
         # Background writes talk on their own gloo group so they never queue behind NCCL work; the
@@ -69,25 +70,25 @@ class CheckpointManager:
         return on_rank0(fn, group=self.ctl_pg)
 
     def _prepare_folder(self) -> None:
-        """Create the folder (exit 3 at start, not at the first save hours later, if it cannot be written)
-        and delete what interrupted saves left. The caller holds the run-folder lock."""
-        probe = self.folder / ".write-test"
-
-        def prepare():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"ok")
-            probe.unlink()
-            return fs.remove_interrupted_saves(self.folder)
-
+        """Lock the folder (another run may name it too: one writer at a time), exit 3 at start rather than
+        at the first save hours later if it cannot be written, and delete what interrupted saves left."""
+        self._lock = FolderLock(self.folder, "checkpoint.folder", "point --checkpoint.folder at another place or "
+                                "set --checkpoint.enable=false", holder=f"run folder {self.run_folder}",
+                                error=CheckpointError)
+        self._on_rank0(self._lock.acquire)
         try:
-            removed = self._on_rank0(prepare)
+            removed = self._on_rank0(lambda: fs.remove_interrupted_saves(self.folder))
         except OSError as e:
-            raise CheckpointError(f"checkpoint.folder {self.folder} cannot be written ({describe(e)}); point "
-                                  f"--checkpoint.folder at a writable place or set --checkpoint.enable=false") \
-                from None
+            raise CheckpointError(f"checkpoint.folder {self.folder}: cannot remove what an interrupted save left "
+                                  f"({describe(e)})") from None
         for name, size in removed:
             logger.warning(f"checkpoint: removed {self.folder / name} ({size / 1e9:.1f} GB) left by an "
                            f"interrupted save")
+
+    def release(self) -> None:
+        """Let another run write into the folder (the kernel also drops the lock when the process dies)."""
+        if self._lock is not None:
+            self._lock.release()
 
     # --- resuming ------------------------------------------------------------------------------------
     def resume(self) -> int:
@@ -135,6 +136,10 @@ class CheckpointManager:
             return plan
         step = want if want > 0 else max(found)
         m = found[step]
+        other = self._other_run(m)
+        if other:
+            plan["error"] = other
+            return plan
         plan["load"] = step
         if m.model_only:
             full = [s for s, x in found.items() if not x.model_only]
@@ -162,6 +167,18 @@ class CheckpointManager:
         plan.update(set_aside=newer, restores_step=restores, lineage=m.lineage if restores else plan["lineage"])
         return plan
 
+    def _other_run(self, m: fs.Manifest) -> str:
+        """Why resuming `m` would take over another run's checkpoints ("" when it is this run's own): a
+        checkpoint.folder outside the run folder, whose checkpoint another run folder wrote."""
+        here = Path(self.run_folder)
+        if not self.run_folder or not m.run_folder or self.cfg.resume_other_run or \
+                self.folder.resolve().is_relative_to(here) or Path(m.run_folder) == here:
+            return ""
+        return (f"checkpoint.folder {self.folder} holds the checkpoints of another run (step-{m.step}, written by run "
+                f"folder {m.run_folder}); resuming it here would continue that run and let this run's saves and "
+                f"keep_latest_k replace and delete its checkpoints. Give this run a checkpoint.folder of its own, or "
+                f"continue that run here on purpose with --checkpoint.resume_other_run=true")
+
     def _load(self, path: Path, plan: dict) -> None:
         exclude = set(self.cfg.exclude_from_loading)
         try:
@@ -181,7 +198,7 @@ class CheckpointManager:
         if not same_world:
             wanted = {n: p for n, p in wanted.items() if p.resharding != "per_rank"}
         target = {n: p.load_target() for n, p in wanted.items()}
-        problems = fact_differences(manifest.facts if manifest else {}, self.facts, set(wanted))
+        problems = fact_differences(manifest.facts if manifest else {}, self._compared_facts(), set(wanted))
         for name in ("model", "optimizer"):
             if name in target:
                 problems += tensor_differences(meta, flat_tensors(name, target[name]), name,
@@ -196,11 +213,18 @@ class CheckpointManager:
         for name, part in wanted.items():
             part.load_state_dict(target[name])
 
+    def _compared_facts(self) -> dict:
+        """The facts a checkpoint must match (the tokenizer's not, with checkpoint.allow_new_tokenizer)."""
+        return {k: v for k, v in self.facts.items() if k != "tokenizer" or not self.cfg.allow_new_tokenizer}
+
     def _mismatch(self, path: Path, problems: list[str], parts: set[str]) -> str:
         ok_older = [s for s, m in fs.scan(self.folder)[0].items()
-                    if s < int(path.name.split("-")[1]) and not fact_differences(m.facts, self.facts, parts)]
+                    if s < int(path.name.split("-")[1]) and not fact_differences(m.facts, self._compared_facts(), parts)]
         opt = " --checkpoint.exclude_from_loading=optimizer starts the optimizer afresh;" \
             if any(p.startswith("optimizer") for p in problems) else ""
+        if any(p.startswith("tokenizer.") for p in problems):
+            opt += (" --checkpoint.allow_new_tokenizer=true continues with this run's tokenizer on purpose (the "
+                    "trained embedding rows then stand for other tokens);")
         older = f" {fs.step_dir(self.folder, ok_older[-1])} matches this run (--checkpoint.load_step=" \
                 f"{ok_older[-1]})." if ok_older else ""
         return (f"checkpoint {path} does not fit this run: {'; '.join(problems[:4])}. Change the run to match "
@@ -209,7 +233,7 @@ class CheckpointManager:
     def _unreadable(self, path: Path, err: BaseException) -> str:
         step = int(path.name.split("-")[1])
         older = [s for s, m in fs.scan(self.folder)[0].items()
-                 if s < step and not fact_differences(m.facts, self.facts, {"model", "optimizer"})]
+                 if s < step and not fact_differences(m.facts, self._compared_facts(), {"model", "optimizer"})]
         hint = (f"the newest older checkpoint is {fs.step_dir(self.folder, older[-1])}; resume from it with "
                 f"--checkpoint.load_step={older[-1]} --checkpoint.replace_newer=true") if older else \
             "no older checkpoint of this run exists"
@@ -344,11 +368,14 @@ class CheckpointManager:
         return done
 
     def close(self) -> None:
-        if self.enabled:
-            self._finish(wait=True)
-        self.retention.join()
-        if self.stager is not None:
-            self.stager.close()
+        try:
+            if self.enabled:
+                self._finish(wait=True)
+            self.retention.join()
+            if self.stager is not None:
+                self.stager.close()
+        finally:
+            self.release()
 
 
 def _fresh_folder(path: Path) -> None:

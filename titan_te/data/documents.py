@@ -12,12 +12,19 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError, unreadable
 
 EXTENSIONS = (".txt", ".jsonl", ".json", ".parquet")
 
 
 def resolve_files(spec: str, key: str = "data.path") -> list[Path]:
+    try:
+        return _resolve_files(spec, key)
+    except OSError as e:
+        raise unreadable(e.filename or spec, e, key) from None
+
+
+def _resolve_files(spec: str, key: str) -> list[Path]:
     if not spec:
         raise DataError(f"{key} is empty: name a file, a folder or a glob of {', '.join(EXTENSIONS)} files")
     p = Path(spec)
@@ -113,6 +120,9 @@ READERS = {".txt": lambda path, field: iter([_decode(path.read_bytes(), str(path
 def iter_documents(files: list[Path], field: str = "text") -> Iterator[tuple[str, Path]]:
     """(text, file) for every non-empty document, in file order."""
     for path in files:
-        for text in READERS[path.suffix](path, field):
-            if text:
-                yield text, path
+        try:
+            for text in READERS[path.suffix](path, field):
+                if text:
+                    yield text, path
+        except OSError as e:  # unreadable (permissions), vanished, or an I/O error
+            raise unreadable(path, e) from None

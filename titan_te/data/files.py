@@ -12,7 +12,7 @@ import numpy as np
 
 from titan_te.data import DATASETS
 from titan_te.data.documents import iter_documents, resolve_files
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError
 from titan_te.data.token_source import TokenSource, join_documents
 
 logger = logging.getLogger("titan_te")

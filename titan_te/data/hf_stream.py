@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from titan_te.data import DATASETS
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError
 from titan_te.data.token_source import frame_document
 
 logger = logging.getLogger("titan_te")

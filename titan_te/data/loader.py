@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError
 
 
 class PackedSequences(IterableDataset):

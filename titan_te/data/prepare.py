@@ -10,8 +10,9 @@ train with `--data.dataset=tokens --data.path=shards/` (the validation section r
 """
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,9 +22,13 @@ from typing import Iterator
 import numpy as np
 
 from titan_te.data.documents import iter_documents, resolve_files
-from titan_te.data.errors import DataError
-from titan_te.data.shards import ShardWriter, shard_files, write_manifest
+from titan_te.errors import DataError
+from titan_te.data.shards import MANIFEST, ShardWriter, shard_files, write_manifest
 from titan_te.data.token_source import frame_document
+from titan_te.preemption import SIGNALS
+from titan_te.run_folder import LOCK, FolderLock, why
+from titan_te.paths import check_path
+from titan_te.tool_cli import OneLineParser, run_tool
 
 
 @dataclass
@@ -49,6 +54,18 @@ def _init_worker(targs: TokenizerArgs) -> None:
     _WORKER_TOKENIZER = build_tokenizer(targs)
 
 
+def _pool(workers: int, targs: TokenizerArgs):
+    """Tokenizer processes that ignore Ctrl-C and a closed terminal from their first instruction (a
+    signal to the process group reaches them too; the main process alone answers it and ends them). An
+    ignored signal stays ignored across the exec of a spawned process; a handler would not."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)}
+    try:
+        return mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(targs,))
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
 def _tokenize(texts: list[str]) -> list[np.ndarray]:
     tok = _WORKER_TOKENIZER
     return [frame_document(ids, tok) for ids in tok.encode_batch(texts)]
@@ -72,14 +89,20 @@ def hf_documents(name: str, subset: str | None, split: str, field: str) -> Itera
 
 
 class Progress:
-    """One line on stderr, refreshed twice a second: tokens, tokens/s, documents, share done, ETA."""
+    """Progress on stderr: tokens, tokens/s, documents, share done, ETA. On a terminal one line refreshed
+    twice a second (cleared again if the run fails, so the error stays one line); into a file or pipe a
+    line every 30 s, and the final one."""
 
     def __init__(self, total_bytes: int | None):
-        self.total, self.t0, self.last = total_bytes, time.perf_counter(), 0.0
+        self.total, self.t0 = total_bytes, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.every = 0.5 if self.tty else 30.0
+        self.last = 0.0 if self.tty else self.t0
+        self.open = False  # a terminal line waiting for its newline
 
     def update(self, tokens: int, docs: int, done_bytes: int, final: bool = False) -> None:
         now = time.perf_counter()
-        if not final and now - self.last < 0.5:
+        if not final and now - self.last < self.every:
             return
         self.last = now
         rate = tokens / max(now - self.t0, 1e-9)
@@ -88,7 +111,14 @@ class Progress:
             frac = 1.0 if final else min(done_bytes / self.total, 0.99)
             eta = (now - self.t0) * (1 - frac) / max(frac, 1e-9)
             line += f", {100 * frac:5.1f}%, ETA {int(eta) // 60}:{int(eta) % 60:02d}"
-        print("\r" + line + ("\n" if final else ""), end="", file=sys.stderr, flush=True)
+        end = "\n" if final or not self.tty else ""
+        print(("\r" if self.tty else "") + line + end, end="", file=sys.stderr, flush=True)
+        self.open = self.tty and not end
+
+    def clear(self) -> None:
+        if self.open:
+            print("\r\x1b[K", end="", file=sys.stderr, flush=True)
+            self.open = False
 
 
 def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -102,29 +132,53 @@ def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _prepare_output(output: Path, overwrite: bool) -> None:
-    """An empty output folder; --overwrite removes the files of an earlier prepare run (and only those)."""
+STAGING, OLD = ".prepare-staging", ".prepare-old"
+
+
+def _check_output(output: Path, overwrite: bool) -> list[Path]:
+    """Refuse an --output that is a file, or not empty without --overwrite; returns what an earlier
+    prepare run wrote there (replaced on success)."""
     if output.exists() and not output.is_dir():
         raise DataError(f"--output {output} is a file, not a folder")
-    if output.is_dir() and any(output.iterdir()):
-        ours = shard_files(output)
-        if not overwrite:
-            raise DataError(f"--output {output} is not empty ({len(ours)} shard file(s) of an earlier prepare run, "
-                            f"{len(list(output.iterdir())) - len(ours)} other); add --overwrite to replace the shards, "
-                            f"or choose an empty folder")
-        for p in ours:
-            p.unlink()
+    if not output.is_dir():
+        return []
     try:
-        output.mkdir(parents=True, exist_ok=True)
+        present = [p for p in output.iterdir() if p.name not in (LOCK, STAGING, OLD)]
     except OSError as e:
-        raise DataError(f"--output {output} cannot be created ({e.strerror})") from None
+        raise DataError(f"--output {output} cannot be read ({why(e)})") from None
+    ours = shard_files(output)
+    if present and not overwrite:
+        raise DataError(f"--output {output} is not empty ({len(ours)} file(s) of an earlier prepare run, "
+                        f"{len(present) - len(ours)} other); add --overwrite to replace the shards, or choose an "
+                        f"empty folder")
+    return ours
+
+
+def _publish(output: Path, staging: Path, old: list[Path]) -> None:
+    """Swap the new shards in. prepare.json is the commit: the old one goes first and the new one last, so
+    a folder is never read with a mix of runs (the `tokens` dataset refuses a folder without it)."""
+    aside = output / OLD
+    aside.mkdir(exist_ok=True)
+    old = sorted(old, key=lambda p: p.name != MANIFEST)  # the old manifest first
+    for p in old:
+        p.rename(aside / p.name)
+    new = sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST)  # the new manifest last
+    for p in new:
+        p.rename(output / p.name)
+    shutil.rmtree(aside, ignore_errors=True)
+    staging.rmdir()
 
 
 def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, val_fraction: float = 0.0,
             text_field: str = "text", shard_tokens: int = 100_000_000, batch_docs: int = 64,
             hf_subset: str | None = None, hf_split: str = "train", overwrite: bool = False) -> dict:
-    """Tokenize `inputs` into shards under `output`; returns the counts per split."""
-    _prepare_output(Path(output), overwrite)
+    """Tokenize `inputs` into shards under `output`; returns the counts per split.
+
+    Everything is checked before --output is touched; the shards are written into `<output>/.prepare-staging`
+    and published only once all of them and their manifest are on disk. A failure, a full disk or a stop
+    signal leaves --output as it was. One prepare run writes into a folder at a time (its `.lock`)."""
+    output = Path(output)
+    old = _check_output(output, overwrite)
     tok = build_tokenizer(targs)
     if inputs.startswith("hf:"):
         docs, total_bytes = hf_documents(inputs[3:], hf_subset, hf_split, text_field), None
@@ -132,13 +186,34 @@ def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, v
         files = resolve_files(inputs, "--input")
         docs = (text for text, _ in iter_documents(files, text_field))
         total_bytes = sum(f.stat().st_size for f in files)
-    writers = {split: ShardWriter(output, split, tok.vocab_size, targs.tokenizer, tok.bos_id, tok.eos_id,
+    lock = FolderLock(output, "--output", "choose another --output", holder="prepare", error=DataError)
+    lock.acquire()
+    staging = output / STAGING
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed prepare run left
+        shutil.rmtree(output / OLD, ignore_errors=True)
+        old = _check_output(output, overwrite)  # under the lock: as it is now
+        staging.mkdir()
+        counts = _write_shards(docs, total_bytes, staging, tok, targs, workers, val_fraction, shard_tokens,
+                               batch_docs, inputs)
+        _publish(output, staging, old)
+    except OSError as e:
+        raise DataError(f"--output {output}: cannot write the shards ({why(e)}{': ' + e.filename if e.filename else ''})"
+                        f"; nothing was published, --output is as it was") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        lock.release()
+    return counts
+
+
+def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fraction, shard_tokens, batch_docs,
+                  inputs) -> dict:
+    writers = {split: ShardWriter(staging, split, tok.vocab_size, targs.tokenizer, tok.bos_id, tok.eos_id,
                                   shard_tokens) for split in ("train", "val")}
     every = round(1 / val_fraction) if val_fraction > 0 else 0
     progress = Progress(total_bytes)
     n_docs = n_tokens = done_bytes = 0
-    ctx = mp.get_context("spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(targs,)) if workers > 1 else None
+    pool = _pool(workers, targs) if workers > 1 else None
     if pool is None:
         _init_worker(targs)
 
@@ -158,23 +233,32 @@ def prepare(inputs: str, output: Path, targs: TokenizerArgs, workers: int = 1, v
                 n_docs += 1
                 n_tokens += len(ids)
             progress.update(n_tokens, n_docs, done_bytes)
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        progress.clear()
+        raise
     finally:
         if pool is not None:
             pool.terminate()
         for w in writers.values():
-            w.close()
+            w.abandon()
     progress.update(n_tokens, n_docs, done_bytes, final=True)
     if n_docs == 0:
         raise DataError(f"--input {inputs}: no documents found")
-    write_manifest(output, {split: w.index for split, w in writers.items()},
+    write_manifest(staging, {split: w.index for split, w in writers.items()},
                    {"input": inputs, "tokenizer": targs.tokenizer, "vocab_size": tok.vocab_size,
-                    "documents": n_docs, "tokens": n_tokens})
+                    "tokenizer_identity": getattr(tok, "identity", None), "documents": n_docs, "tokens": n_tokens})
     return {split: {"documents": w.total_docs, "tokens": w.total_tokens, "shards": w.index}
             for split, w in writers.items()}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_te.data.prepare", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
+    return run_tool("prepare error", lambda: _main(sys.argv[1:] if argv is None else argv), exits_after)
+
+
+def _main(argv: list[str]) -> int:
+    ap = OneLineParser(prog="python -m titan_te.data.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("--input", required=True, help="file, folder, glob, or hf:NAME")
     ap.add_argument("--output", required=True, help="folder for the shards")
     ap.add_argument("--tokenizer", default="byte", help="byte, hf or tiktoken (as data.tokenizer)")
@@ -189,20 +273,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf_split", default="train")
     a = ap.parse_args(argv)
     if a.workers < 1 or not 0 <= a.val_fraction < 1 or a.shard_tokens < 1:
-        print("prepare error: --workers and --shard_tokens must be >= 1 and --val_fraction within [0, 1)",
-              file=sys.stderr)
-        return 2
-    try:
-        counts = prepare(a.input, Path(a.output), TokenizerArgs(a.tokenizer, a.tokenizer_path), a.workers,
-                         a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split,
-                         overwrite=a.overwrite)
-    except DataError as e:
-        print(f"\nprepare error: {e}", file=sys.stderr)
-        return 2
+        raise DataError("--workers and --shard_tokens must be >= 1 and --val_fraction within [0, 1)")
+    for key in ("input", "output", "tokenizer_path"):
+        check_path(f"--{key}", getattr(a, key), "")
+    SIGNALS.doing(f"preparing {a.output} (nothing was published there)")
+    counts = prepare(a.input, Path(a.output), TokenizerArgs(a.tokenizer, a.tokenizer_path), a.workers,
+                     a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split,
+                     overwrite=a.overwrite)
     for split, c in counts.items():
         print(f"{split}: {c['documents']:,} documents, {c['tokens']:,} tokens in {c['shards']} shard(s) under {a.output}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(exits_after=True))

@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from titan_te.data import DATASETS
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError, unreadable
 from titan_te.data.token_source import TokenSource
 
 FORMAT = "titan_te.tokens/1"
-SPLITS = ("train", "val")
 
 
 SHARD_DTYPES = ("uint16", "uint32")  # unsigned ids only: what prepare writes
@@ -68,14 +67,23 @@ class ShardWriter:
         self._file, self.index = None, self.index + 1
 
     def close(self) -> None:
+        """Finish the last shard (its sidecar is written last: a shard without one is incomplete)."""
         if self._file is not None:
             self._close_shard()
+
+    def abandon(self) -> None:
+        """After a failure: close the open file, write nothing more (what was written is never published)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def _read_sidecar(path: Path) -> dict:
     try:
         side = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: not a token-shard sidecar ({type(e).__name__}: {e})") from None
     if not isinstance(side, dict) or side.get("format") != FORMAT:
         got = side.get("format") if isinstance(side, dict) else f"a JSON {type(side).__name__}"
@@ -103,30 +111,49 @@ def write_manifest(folder: Path, splits: dict[str, int], info: dict) -> None:
     (Path(folder) / MANIFEST).write_text(json.dumps({"format": FORMAT, "shards": listing, **info}, indent=1) + "\n")
 
 
-def _listed(folder: Path, split: str) -> list[str] | None:
-    """The shard stems of `split` the folder's manifest names (None: a folder from before manifests)."""
+def read_manifest(folder: Path) -> dict:
+    """The folder's prepare.json. A folder without one is not a complete prepare output (a prepare run
+    that failed or was stopped, or files copied by hand) and is never read."""
     path = folder / MANIFEST
     if not path.is_file():
-        return None
+        raise DataError(f"data.path: {folder} has no {MANIFEST}, so it is not a complete output of "
+                        f"python -m titan_te.data.prepare (a prepare run that failed or was stopped?); prepare it "
+                        f"again")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        return list(data["shards"].get(split, []))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        if not isinstance(data, dict) or not all(isinstance(v, list) for v in data["shards"].values()):
+            raise TypeError("shards is not a listing per split")
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path}: not a prepare manifest ({type(e).__name__}); prepare the shards again") from None
+    return data
 
 
-def open_shards(folder: Path, split: str, tokenizer) -> TokenSource | None:
-    """The `split` shards of `folder` as one source (None when there are none). With a manifest, exactly
-    the shards it lists: a shard another prepare run left behind is an error, never read silently."""
+def check_tokenizer(folder: Path, manifest: dict, tokenizer) -> None:
+    """The shards were made with this tokenizer: same kind, vocabulary size and vocabulary hash."""
+    made, now = manifest.get("tokenizer_identity"), getattr(tokenizer, "identity", None)
+    if not isinstance(made, dict) or not now:
+        return  # shards of an older prepare, or a custom tokenizer without an identity: sidecar sizes only
+    differ = [f"{k} {made.get(k)!r} there, {now.get(k)!r} here" for k in ("kind", "vocab_size", "hash")
+              if k in made and made.get(k) != now.get(k)]
+    if differ:
+        raise DataError(f"data.path: the shards in {folder} were made with another tokenizer ({'; '.join(differ)}); "
+                        f"train with the tokenizer they were prepared with (data.tokenizer, data.tokenizer_path) or "
+                        f"prepare them again")
+
+
+def open_shards(folder: Path, split: str, tokenizer, manifest: dict) -> TokenSource | None:
+    """The `split` shards of `folder` as one source (None when there are none): exactly the shards its
+    manifest lists; a shard another prepare run left behind is an error, never read silently."""
     sides = sorted(folder.glob(f"{split}-*.json"))
-    listed = _listed(folder, split)
-    if listed is not None:
-        found = [p.stem for p in sides]
-        extra, missing = sorted(set(found) - set(listed)), sorted(set(listed) - set(found))
-        if extra or missing:
-            what = (f"holds {', '.join(extra[:3])} that its {MANIFEST} does not list (left by an earlier prepare "
-                    f"run?)" if extra else f"lacks {', '.join(missing[:3])} that its {MANIFEST} lists")
-            raise DataError(f"data.path: {folder} {what}; prepare into an empty folder, or again with --overwrite")
+    listed = [str(x) for x in manifest["shards"].get(split, [])]
+    found = [p.stem for p in sides]
+    extra, missing = sorted(set(found) - set(listed)), sorted(set(listed) - set(found))
+    if extra or missing:
+        what = (f"holds {', '.join(extra[:3])} that its {MANIFEST} does not list (left by an earlier prepare "
+                f"run?)" if extra else f"lacks {', '.join(missing[:3])} that its {MANIFEST} lists")
+        raise DataError(f"data.path: {folder} {what}; prepare into an empty folder, or again with --overwrite")
     if not sides:
         return None
     arrays, names = [], []
@@ -144,7 +171,10 @@ def open_shards(folder: Path, split: str, tokenizer) -> TokenSource | None:
             raise DataError(f"{bin_path}: expected {expected:,} bytes for {side['num_tokens']:,} tokens, found {size}; "
                             f"the shard is truncated or incomplete (prepare it again)")
         if side["num_tokens"]:
-            arrays.append(np.memmap(bin_path, dtype=dtype, mode="r"))
+            try:
+                arrays.append(np.memmap(bin_path, dtype=dtype, mode="r"))
+            except OSError as e:
+                raise unreadable(bin_path, e) from None
             names.append(str(bin_path))
     return TokenSource(arrays, f"tokens:{folder}/{split}", tokenizer.vocab_size, names)
 
@@ -155,11 +185,13 @@ def build_tokens(dcfg, tokenizer) -> TokenSource:
     if not dcfg.path or not folder.is_dir():
         raise DataError(f"data.path: no such folder of token shards: {dcfg.path!r} "
                         f"(make one with python -m titan_te.data.prepare)")
-    source = open_shards(folder, "train", tokenizer)
+    manifest = read_manifest(folder)
+    check_tokenizer(folder, manifest, tokenizer)
+    source = open_shards(folder, "train", tokenizer, manifest)
     if source is None:
         raise DataError(f"data.path: {folder} holds no train-*.json token shards "
                         f"(make them with python -m titan_te.data.prepare)")
     if source.num_tokens == 0:
         raise DataError(f"data.path: the token shards in {folder} are empty")
-    source.validation = open_shards(folder, "val", tokenizer)
+    source.validation = open_shards(folder, "val", tokenizer, manifest)
     return source

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError
 
 
 class TokenSource:

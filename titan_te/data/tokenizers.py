@@ -6,26 +6,41 @@
   the well-known special tokens the vocabulary holds.
 - `tiktoken`: a tiktoken BPE file (Llama 3's original `tokenizer.model`), with Llama 3's split
   pattern and special tokens; needs the `tiktoken` package.
-Every tokenizer has vocab_size, bos_id, eos_id, encode(text) -> ids and encode_batch(texts).
+Every tokenizer has vocab_size, bos_id, eos_id, encode(text) -> ids, encode_batch(texts) and
+`identity`: what a checkpoint or a shard folder records to tell it from another tokenizer (its kind, its
+vocabulary size before padding, and a hash of its vocabulary).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 
 from titan_te.data import TOKENIZERS
-from titan_te.data.errors import DataError
+from titan_te.errors import DataError, unreadable
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>")
 EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
+
+
+def vocabulary_hash(items) -> str:
+    """A short hash of a vocabulary: its (token, id) pairs (or any bytes that define them)."""
+    h = hashlib.sha256()
+    if isinstance(items, bytes):
+        h.update(items)
+    else:
+        for token, idx in sorted(items, key=lambda kv: kv[1]):
+            h.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:16]
 
 
 class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    identity = {"kind": "byte", "vocab_size": 258, "hash": vocabulary_hash(b"utf-8 bytes, bos 256, eos 257")}
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -41,9 +56,16 @@ def _tokenizer_file(dcfg, what: str) -> Path:
     if not dcfg.tokenizer_path:
         raise DataError(f"data.tokenizer = '{dcfg.tokenizer}' needs data.tokenizer_path ({what})")
     path = Path(dcfg.tokenizer_path)
-    if path.is_dir():
-        path = path / ("tokenizer.json" if dcfg.tokenizer == "hf" else "tokenizer.model")
-    if not path.is_file():
+    try:
+        if path.is_dir():
+            path = path / ("tokenizer.json" if dcfg.tokenizer == "hf" else "tokenizer.model")
+        found = path.is_file()
+        if found:
+            with path.open("rb"):  # readable: the libraries that read it next report this as anything
+                pass
+    except OSError as e:
+        raise unreadable(path, e, "data.tokenizer_path") from None
+    if not found:
         raise DataError(f"data.tokenizer_path: no such file: {path}")
     return path
 
@@ -61,6 +83,8 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._special(self._configured("bos_token"), BOS_CANDIDATES, "BOS")
         self.eos_id = self._special(self._configured("eos_token"), EOS_CANDIDATES, "EOS")
+        self.identity = {"kind": "hf", "vocab_size": self.vocab_size,
+                         "hash": vocabulary_hash(self.tok.get_vocab(with_added_tokens=True).items())}
 
     def _configured(self, key: str) -> str | None:
         cfg = self.path.parent / "tokenizer_config.json"
@@ -68,6 +92,8 @@ class HFTokenizer:
             return None
         try:
             data = json.loads(cfg.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise unreadable(cfg, e) from None
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{cfg} is not valid JSON: {e}") from None
         if not isinstance(data, dict):
@@ -122,6 +148,8 @@ class TiktokenTokenizer:
                                      special_tokens=special)
         self.vocab_size = n + LLAMA3_NUM_SPECIAL
         self.bos_id, self.eos_id = special["<|begin_of_text|>"], special["<|end_of_text|>"]
+        pairs = [(t.hex(), i) for t, i in ranks.items()] + list(special.items())
+        self.identity = {"kind": "tiktoken", "vocab_size": self.vocab_size, "hash": vocabulary_hash(pairs)}
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.enc.encode_ordinary(text), dtype=np.int32)

@@ -1,9 +1,8 @@
-"""Process-group and device-mesh setup (NCCL on CUDA, gloo on CPU)."""
+"""Process-group and device-mesh setup (NCCL on CUDA, gloo on CPU and for ranks that share a GPU)."""
 from __future__ import annotations
 
 import gc
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titan_te.errors import ConfigError, UserError
+from titan_te.parallel import rendezvous
 
 
 @dataclass
@@ -19,6 +19,7 @@ class DistEnv:
     world_size: int
     device: torch.device
     mesh: DeviceMesh  # 2-D: ("dp_replicate", "dp_shard")
+    shared_gpu: bool = False  # TITAN_TE_SHARE_GPU: every rank on cuda:0 over gloo (a testing mode)
 
     @property
     def is_main(self) -> bool:
@@ -33,43 +34,39 @@ class DistEnv:
         return self.world_size
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SHARE_GPU = "TITAN_TE_SHARE_GPU"
 
 
-def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: int = 1800) -> DistEnv:
-    """Join (or, without torchrun, create) the process group and build the data-parallel mesh."""
-    alone = "RANK" not in os.environ  # a plain `python train.py`: a group of one
-    if alone:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def shared_gpu() -> bool:
+    """TITAN_TE_SHARE_GPU=1: a testing mode in which every local rank uses cuda:0 and the process group is
+    gloo (NCCL refuses two ranks on one device), so that many-GPU code paths run on one GPU. Slow."""
+    raw = os.environ.get(SHARE_GPU, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{SHARE_GPU}={raw!r} in the environment: set 1 (ranks share cuda:0, a testing mode) or "
+                          f"0 / unset")
+    return raw == "1"
+
+
+def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: int = 1800,
+                     rendezvous_timeout_s: int = 300) -> DistEnv:
+    """Meet the other ranks (rendezvous.join: a short, stated wait), join the process group and build the
+    data-parallel mesh."""
+    store, rank, world = rendezvous.join(rendezvous_timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    share = shared_gpu() and device_type == "cuda"
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        backend = "cpu:gloo,cuda:nccl"  # gloo too: async checkpoint saves use a CPU group
+        device = torch.device("cuda", 0 if share else local_rank)
+        torch.cuda.set_device(device)
+        # gloo too: async checkpoint saves use a CPU group; with shared GPUs gloo carries the CUDA tensors
+        backend = "gloo" if share else "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    for attempt in range(3 if alone else 1):
-        if dist.is_initialized():
-            break
-        try:
-            dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout_s))
-        except dist.DistNetworkError as e:  # the port was taken (by another job, or since we picked it)
-            if alone and attempt < 2:
-                os.environ["MASTER_PORT"] = str(_free_port())
-                continue
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            raise ConfigError(f"cannot start the process group at {where} ({str(e).splitlines()[0][:200]}); "
-                              f"another job may hold the port: pick one with MASTER_PORT or torchrun "
-                              f"--master_port") from None
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return DistEnv(rank=rank, world_size=world, device=device, mesh=mesh)
+    return DistEnv(rank=rank, world_size=world, device=device, mesh=mesh, shared_gpu=share)
 
 
 def shutdown(clean: bool = True) -> None:
