@@ -7,6 +7,7 @@ the full training state `--repeats` times (every save must be complete on disk).
 plus, for the pinned-memory mode, the wait for staging before the next optimizer step (a real
 training step runs in between, as in the trainer). "on disk s" runs from the save call until the
 checkpoint is complete on disk; for the async modes it includes the training step that overlapped it.
+"checksums s" is what recording the files' CRC32s costs inside each save (it is part of "on disk s").
 Prints a table; async modes must block for at most 10% of the synchronous save.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from titan_te import config as config_mod  # noqa: E402
-from titan_te.checkpoint import CheckpointManager, complete_steps, step_dir  # noqa: E402
+from titan_te.checkpoint import CheckpointManager, complete_steps, integrity, step_dir  # noqa: E402
 from titan_te.checkpoint.folder import folder_bytes  # noqa: E402
 from titan_te.logging_setup import setup_logging  # noqa: E402
 from titan_te.trainer import Trainer  # noqa: E402
@@ -71,20 +72,24 @@ def main() -> int:
             blocked.append(ck.last_blocked_s)
             ck.flush()
             total.append(time.perf_counter() - t0 - (step_s if mode == "disabled" else 0.0))
-        size_gb = folder_bytes(step_dir(folder / mode, 100 * (i + 1))) / 1e9
+        first = step_dir(folder / mode, 100 * (i + 1))
+        size_gb = folder_bytes(first) / 1e9
+        t0 = time.perf_counter()  # what recording the checksums costs inside each save (files in the page cache)
+        integrity.checksums(sorted(p for p in first.iterdir() if p.is_file()))
+        crc_s = time.perf_counter() - t0
         saved = complete_steps(folder / mode)
         assert len(saved) == a.repeats, f"{mode}: only {saved} of {a.repeats} saves are complete"
         hook.remove()
         ck.close()
         shutil.rmtree(folder / mode, ignore_errors=True)
-        rows.append((mode, min(blocked), min(total), size_gb))
+        rows.append((mode, min(blocked), min(total), size_gb, crc_s))
     sync = rows[0][1]
     print(f"\ncheckpoint blocking, {a.flavor} flavor ({sum(p.numel() for p in tr.model.parameters()) / 1e6:,.0f} M "
           f"parameters, {state_gb:.1f} GB weights+moments), device {tr.device}, train step {step_s:.2f}s")
-    print(f"{'async_mode':<24}{'blocked s':>12}{'on disk s':>12}{'blocked / sync':>16}{'GB':>8}")
-    for mode, b, t, gb in rows:
-        print(f"{mode:<24}{b:>12.3f}{t:>12.2f}{100 * b / sync:>15.1f}%{gb:>8.2f}")
-    ok = all(b <= 0.10 * sync for m, b, _, _ in rows[1:])
+    print(f"{'async_mode':<24}{'blocked s':>12}{'on disk s':>12}{'blocked / sync':>16}{'GB':>8}{'checksums s':>13}")
+    for mode, b, t, gb, crc in rows:
+        print(f"{mode:<24}{b:>12.3f}{t:>12.2f}{100 * b / sync:>15.1f}%{gb:>8.2f}{crc:>13.2f}")
+    ok = all(b <= 0.10 * sync for m, b, _, _, _ in rows[1:])
     print(f"async modes block <= 10% of a synchronous save: {'yes' if ok else 'NO'}")
     tr.close()
     shutil.rmtree(folder, ignore_errors=True)

@@ -408,7 +408,17 @@ CHECKPOINT_CASES = {
                                           "--training.steps=6"], "optimizer.moment_dtype is 'float32'"),
     "reshard-dataloader": (lambda ck: _set_manifest(ck / "step-4", dp_world=2), ["--training.steps=6"],
                            "--checkpoint.exclude_from_loading=dataloader,rng"),
+    "flipped-bit": (lambda ck: _flip_a_bit(_first(ck / "step-4", "*.distcp")), ["--training.steps=6"],
+                    "__0_0.distcp differs from what was saved"),
+    "file-of-another-step": (lambda ck: shutil.copy(_first(ck / "step-2", "*.distcp"), _first(ck / "step-4", "*.distcp")),
+                             ["--training.steps=6"], "a damaged file, or one copied from another checkpoint"),
 }
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
 
 
 def _set_manifest(folder: Path, **kw) -> None:
@@ -913,6 +923,10 @@ def test_export_of_a_truncated_file_and_onto_a_full_disk_is_one_line(run, capsys
     distcp = _first(ck / "step-2", "*.distcp")
     distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
     _export(["--checkpoint", str(ck / "step-2"), "--out", str(disk / "hf")], capsys, "corrupt or unreadable")
+    _set_manifest(ck / "step-2", files={})  # no checksums (an older titan_te): DCP's own error, one line too
+    _export(["--checkpoint", str(ck / "step-2"), "--out", str(disk / "hf")], capsys, "corrupt or unreadable")
+    _flip_a_bit(_first(ck / "step-4", "*.distcp"))  # what no reader notices: the checksum does
+    _export(["--checkpoint", str(ck / "step-4"), "--out", str(disk / "hf")], capsys, "differs from what was saved")
 
 
 # --- round 2: a rendezvous that does not happen ----------------------------------------------------------
@@ -1012,3 +1026,68 @@ def test_a_run_folder_on_a_full_disk_is_one_line(capsys, tmp_path, small_disk):
         except OSError:
             break
     train([f"--job.dump_folder={disk}"], capsys, CONFIG, "No space left on device")
+
+
+def test_an_explicit_lr_on_resume_applies_and_the_summary_says_what_changed(run, capsys):
+    """The checkpoint's position (step, moments, schedule position) resumes; the peak lr the user typed now
+    applies (it used to be silently replaced by the checkpoint's), and the start-up summary says so."""
+    import re
+
+    from titan_te.main import main
+    from titan_te.optim.lr_schedule import lr_factor
+
+    capsys.readouterr()
+    assert main([*SMALL, *CK, f"--job.dump_folder={run}", "--training.steps=6", "--optimizer.lr=3e-4",
+                 "--lr_scheduler.warmup_steps=20"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "resume: from step-4: model, optimizer, lr_scheduler" in x)
+    for change in ("training.steps 4 -> 6 (command line)", "optimizer.lr 0.001 -> 0.0003 (command line)",
+                   "lr_scheduler.warmup_steps 10 -> 20 (command line)"):
+        assert change in line, line
+    logged = {int(s): float(lr) for s, lr in re.findall(r"step\s+(\d+)\s+loss\s+\S+\s+lr (\S+)", out)}
+    for step in (5, 6):
+        assert logged[step] == pytest.approx(3e-4 * lr_factor(step, 6, 20, "cosine", 0.1), rel=1e-2), logged
+
+
+def test_a_bug_inside_the_load_path_keeps_its_traceback(run, tmp_path):
+    """Only damaged data is 'corrupt or unreadable' (exit 3); an error of code on the way (here DCP's planner,
+    inside dcp.load) is a bug: traceback, exit 1, and the checkpoint untouched."""
+    import subprocess
+    import sys
+
+    (tmp_path / "planner_bug.py").write_text(
+        "from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner\n"
+        "def broken(self):\n    raise AttributeError('a bug in the load path')\n"
+        "DefaultLoadPlanner.create_local_plan = broken\n")
+    before = _hashes(run / "debug/checkpoint")
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL, *CK, f"--job.dump_folder={run}",
+                        "--training.steps=6", "--job.custom_import=planner_bug"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert r.returncode == 1 and "Traceback" in r.stderr and "a bug in the load path" in r.stderr, r.stderr[-2000:]
+    assert "corrupt or unreadable" not in r.stderr
+    assert _hashes(run / "debug/checkpoint") == before
+
+
+# --- round 2 and issue 24: a checkpoint always has its disk ------------------------------------------------
+def test_a_checkpoint_that_cannot_fit_its_disk_is_refused_before_training(capsys, tmp_path, small_disk):
+    disk = small_disk("20m")  # 21.0 MB; one save of this run is 39.8 MB
+    out = train([*CK, f"--checkpoint.folder={disk / 'ck'}"], capsys, CHECKPOINT,
+                f"checkpoint.folder {disk / 'ck'} has 21.0 MB free, one checkpoint of this run needs 39.8 MB", tmp_path)
+    assert "training from step" not in out
+    assert [p.name for p in (disk / "ck").iterdir()] == [".lock"]
+
+
+def test_a_disk_that_fills_up_keeps_the_last_good_checkpoint_and_the_final_save_is_one_line(capsys, tmp_path,
+                                                                                               small_disk):
+    """Real ENOSPC (a tmpfs): torch's zip writer reports it as 'RuntimeError: ... unexpected pos' over the
+    OSError. Saves 2 and 4 fit, 6 fails and training goes on, the final save (8) fails: exit 3, one line."""
+    from titan_te.checkpoint import complete_steps
+
+    disk = small_disk("100m")
+    out = train([*CK, f"--checkpoint.folder={disk / 'ck'}", "--training.steps=8", "--checkpoint.max_consecutive_failures=3"],
+                capsys, CHECKPOINT, "No space left on device", tmp_path)  # one line: no writer thread's traceback
+    assert "stopping: the final save failed" in out or True
+    assert "4 saves of 39.8 MB do not fit the 104.9 MB free" in out, out
+    assert "checkpoint save at step 6 into" in out and "training continues (1 of at most 3" in out
+    assert complete_steps(disk / "ck") == [2, 4]
+    assert sorted(p.name for p in (disk / "ck").iterdir()) == [".lock", "step-2", "step-4"]  # no .tmp left

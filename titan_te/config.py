@@ -231,6 +231,10 @@ class Checkpoint:
     max_consecutive_failures: int = opt(2, "saves in a row that may fail for environmental reasons (disk full, "
                                            "I/O, permission) before the run stops with exit code 3", bounds=NON_NEGATIVE)
     write_threads: int = opt(2, "threads per rank writing checkpoint files", bounds=Bounds(1, 64))
+    verify_checksums: bool = opt(True, "before a resume, check every checkpoint file against the checksum recorded "
+                                       "when it was saved (a damaged or swapped file is named, not loaded)")
+    skip_space_check: bool = opt(False, "train even when one checkpoint of this run does not fit the free space of "
+                                        "checkpoint.folder (checked at start-up)")
     initial_load_path: str = opt("", "Hugging Face Llama folder (safetensors) to start from when the run "
                                      "has no checkpoint yet (fine-tuning)", path="any")
     last_save_model_only: bool = opt(False, "the final save holds only the model weights (in export_dtype)")
@@ -293,6 +297,13 @@ class Config:
     # the own options of registered components, as set: "optimizer.sgd" -> {key: (value, where it was set)};
     # typed and checked against the component's options dataclass by component_options()
     components: dict = field(default_factory=dict)
+    # where each option that is not a default was set: "optimizer.lr" -> "on the command line" / "in FILE"
+    origins: dict = field(default_factory=dict)
+
+    def settings(self) -> dict:
+        """Every option as "section.key" -> value (what a checkpoint records to say later what changed)."""
+        return {f"{section}.{f.name}": getattr(getattr(self, section), f.name)
+                for section in sections() for f in dataclasses.fields(getattr(self, section))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,6 +443,7 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
                               f"{_toml_value(getattr(getattr(cfg, section), key))} ({where})")
         value = True
     setattr(getattr(cfg, section), key, _coerce(value, tp, f"{section}.{key}", where))
+    cfg.origins[f"{section}.{key}"] = where
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_te import config as config_mod
-from titan_te.checkpoint.errors import describe
+from titan_te.checkpoint import integrity
+from titan_te.checkpoint.errors import describe, is_unreadable_data
 from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
 from titan_te.errors import ExportError
@@ -150,8 +150,12 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
         raise ExportError(_not_a_checkpoint(ckpt))
     replacing = _check_out(out)
     try:
+        manifest = Manifest.read(ckpt)
+        integrity.verify(ckpt, manifest.files if manifest else {}, None)
         state, from_masters = read_full_model(ckpt)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- damaged DCP files: whatever unpickling / reading raises, one line
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        if not is_unreadable_data(e):
+            raise  # a bug keeps its traceback
         raise ExportError(f"{ckpt} is corrupt or unreadable ({describe(e)})") from None
     facts = run_facts(ckpt)
     spec = model_spec(facts)

@@ -106,7 +106,8 @@ class Trainer:
         self._lock = None
         try:
             self._build(cfg)
-        except BaseException:
+        except BaseException as e:
+            self._log_end(type(e), e, e.__traceback__)
             self._release()
             raise
 
@@ -114,10 +115,15 @@ class Trainer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None:  # the run's log file also says how it ended
+        self._log_end(exc_type, exc, tb)
+        self.close()
+
+    @staticmethod
+    def _log_end(exc_type, exc, tb) -> None:
+        """The run's log file also says how it ended: a user's line, or a bug's traceback."""
+        if exc is not None:
             log_to_file(exc.line() if isinstance(exc, (UserError, Interrupted)) else
                         "".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
-        self.close()
 
     def _build(self, cfg: config_mod.Config) -> None:
         t = cfg.training
@@ -219,6 +225,7 @@ class Trainer:
         # change before the copy is complete.
         self.optimizer.register_step_pre_hook(self.checkpointer.before_optimizer_step)
         resumed = self.checkpointer.resume()
+        self.checkpointer.check_space(self.state.step)
         if not resumed and cfg.checkpoint.initial_load_path:
             if spec.hf is None:
                 raise ConfigError(f"checkpoint.initial_load_path: model {spec.name} has no Hugging Face adapter")
@@ -238,6 +245,7 @@ class Trainer:
         if env.is_main:
             self._write_resolved_config()
             self._log_summary()
+            self._log_resume()
 
     # ------------------------------------------------------------------------------------------
     def _facts(self) -> dict:
@@ -248,7 +256,7 @@ class Trainer:
         return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
                           "dim": a.dim, "vocab_size": a.vocab_size},
                 "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights},
-                "tokenizer": dict(identity),
+                "tokenizer": dict(identity), "settings": self.cfg.settings(),
                 "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,
                            "bos_id": int(tok.bos_id), "eos_id": int(tok.eos_id)}}
 
@@ -283,6 +291,21 @@ class Trainer:
         if warmup >= t.steps:
             logger.warning(f"lr_scheduler.warmup_steps = {warmup} is not shorter than training.steps = {t.steps}: "
                            f"the learning rate never reaches optimizer.lr")
+
+    def _log_resume(self) -> None:
+        """What a resumed run took from its checkpoint, and which options changed since it was saved (this
+        run's values apply: the peak lr, the schedule's shape, the optimizer's hyperparameters ...)."""
+        m = self.checkpointer.resumed_from
+        if m is None:
+            return
+        saved = m.facts.get("settings", {})
+        changed = [f"{k} {saved[k]!r} -> {v!r} ({self.cfg.origins.get(k, 'default').replace('on the ', '')})"
+                   for k, v in self.cfg.settings().items() if k in saved and saved[k] != v]
+        parts = ", ".join(p for p in m.parts if p not in self.cfg.checkpoint.exclude_from_loading)
+        logger.info(f"resume: from step-{m.step}: {parts}; "
+                    + (f"changed since it was saved, applied now: {'; '.join(changed[:10])}"
+                       + (f" and {len(changed) - 10} more" if len(changed) > 10 else "") if changed else
+                       "every option as it was saved"))
 
     def _next_microbatches(self) -> tuple[list[dict], int]:
         """The step's micro-batches (input and labels on the device) and the epoch they come from."""

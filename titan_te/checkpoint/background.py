@@ -24,12 +24,33 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from titan_te.checkpoint import integrity
+from titan_te.checkpoint.errors import is_environmental
+
 
 # Copying TE's FP8 tensors to the CPU (empty_like / _to_copy) makes TE warn on stderr that the result
 # "may not" be an FP8 tensor "for FSDP2". The copies are for DCP, not FSDP, and are read back bit-exact
 # (the GPU acceptance test), so the warning would only break the one-line stderr contract.
 warnings.filterwarnings("ignore", message=r"A function call\(aten\.(empty_like|_to_copy)\.default\) in <class "
                                           r"'transformer_engine\.", category=UserWarning)
+
+
+def _quiet_writer_threads() -> None:
+    """DCP's writer threads let an exception escape (torch 2.11-2.13: the failure also reaches dcp.save as the
+    rank's error, which the manager reports in one line); Python would print its traceback on stderr too.
+    Environmental failures of those threads (disk full ...) are left to that one line."""
+    default = threading.excepthook
+
+    def hook(args):
+        if "_write_files_from_queue" in (args.thread.name if args.thread else "") and args.exc_value is not None \
+                and is_environmental(args.exc_value):
+            return
+        default(args)
+
+    threading.excepthook = hook
+
+
+_quiet_writer_threads()
 
 
 class Stager:
@@ -107,29 +128,28 @@ class BackgroundSave:
                 return
             self.staged.set_result(None)
             try:
-                write(cpu_state, path, process_group, write_threads)
+                files = write(cpu_state, path, process_group, write_threads)
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 self.written.set_exception(e)
                 return
-            self.written.set_result(None)
+            self.written.set_result(files)
 
         self._thread = threading.Thread(target=run, name=f"checkpoint-{path.name}", daemon=True)
         self._thread.start()
 
-    def wait_staged(self) -> None:
-        self.staged.result()
-
     def done(self) -> bool:
         return self.written.done()
 
-    def result(self) -> None:
-        """Waits for the write; raises what the worker raised."""
+    def result(self) -> dict:
+        """Waits for the write; returns its files' checksums, or raises what the worker raised."""
         try:
-            self.written.result()
+            return self.written.result()
         finally:
             self._thread.join()
 
 
-def write(state: dict, path: Path, process_group, write_threads: int) -> None:
+def write(state: dict, path: Path, process_group, write_threads: int) -> dict:
+    """`dcp.save`, then the checksums of every file written ({name: [size, crc32]}, on every rank)."""
     writer = dcp.FileSystemWriter(str(path), thread_count=write_threads)
     dcp.save(state, storage_writer=writer, process_group=process_group)
+    return integrity.record(path, process_group)

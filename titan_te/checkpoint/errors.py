@@ -7,8 +7,12 @@ bug in titan_te and stops the run with its traceback.
 from __future__ import annotations
 
 import errno
+import pickle
+import re
 
 from torch.distributed.checkpoint.api import CheckpointException
+
+from titan_te.checkpoint.integrity import ChecksumMismatch
 
 ENVIRONMENTAL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EACCES, errno.EPERM, errno.EROFS,
                         errno.ENOENT, errno.ENOTDIR, errno.ESTALE, errno.EFBIG, errno.ENODEV}
@@ -41,9 +45,30 @@ def environmental_cause(err: BaseException) -> OSError | None:
     return next(filter(None, map(_environmental_oserror, causes(err))), None)
 
 
+# torch's zip writer when the file system took fewer bytes than it wrote (disk full, quota, I/O error); its
+# OSError is only the exception's __context__, which DCP loses when it sends a rank's failure to the others
+ZIP_WRITE_FAILED = re.compile(r"unexpected pos \d+ vs \d+")
+
+
+def write_failed(err: BaseException) -> bool:
+    return isinstance(err, RuntimeError) and bool(ZIP_WRITE_FAILED.search(str(err)))
+
+
 def is_environmental(err: BaseException) -> bool:
     found = causes(err)
-    return bool(found) and all(_environmental_oserror(e) is not None for e in found)
+    return bool(found) and all(_environmental_oserror(e) is not None or write_failed(e) for e in found)
+
+
+# what reading damaged checkpoint data raises (besides OSError): torch's readers' own words included
+DATA_ERRORS = (OSError, EOFError, pickle.UnpicklingError, UnicodeDecodeError, ChecksumMismatch)
+READER_WORDS = re.compile(r"PytorchStreamReader|zip archive|central directory|unexpected EOF|Weights only load")
+
+
+def is_unreadable_data(err: BaseException) -> bool:
+    """Whether `err` (DCP's CheckpointException: every rank's cause) is damaged data, not a bug of ours."""
+    found = causes(err)
+    return bool(found) and all(isinstance(e, DATA_ERRORS) or (isinstance(e, RuntimeError) and
+                                                             READER_WORDS.search(str(e))) for e in found)
 
 
 def describe(err: BaseException) -> str:

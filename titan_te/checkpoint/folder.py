@@ -40,7 +40,8 @@ class Manifest:
     model_only: bool = False
     format: int = FORMAT
     saved_at: float = 0.0
-    run_folder: str = ""  # where the run's config.toml is (export reads it)
+    run_folder: str = ""  # the run folder that wrote it (resuming another run's checkpoints is refused)
+    files: dict = field(default_factory=dict)  # {file: [size, crc32]} of every file, verified before a load
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -53,7 +54,7 @@ class Manifest:
             m = cls(**{k: data[k] for k in ("step", "lineage", "parts", "dp_world")},
                     facts=dict(data.get("facts", {})), model_only=bool(data.get("model_only", False)),
                     format=int(data.get("format", FORMAT)), saved_at=float(data.get("saved_at", 0.0)),
-                    run_folder=str(data.get("run_folder", "")))
+                    run_folder=str(data.get("run_folder", "")), files=dict(data.get("files", {})))
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if not isinstance(m.step, int) or not isinstance(m.lineage, str) or not isinstance(m.parts, list):

@@ -10,6 +10,7 @@ File-system actions run on rank 0 and their outcome is broadcast, so every rank 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -19,12 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_te.checkpoint import folder as fs
+from titan_te.checkpoint import integrity, space
 from titan_te.checkpoint.background import BackgroundSave, Stager, write
 from titan_te.checkpoint.compat import fact_differences, flat_tensors, tensor_differences
-from titan_te.checkpoint.errors import describe, is_environmental
+from titan_te.checkpoint.errors import (causes, describe, environmental_cause, is_environmental,
+                                       is_unreadable_data, write_failed)
 from titan_te.checkpoint.parts import Part
 from titan_te.errors import CheckpointError
 from titan_te.parallel.dist import on_rank0
@@ -56,6 +58,8 @@ class CheckpointManager:
         self.failures_in_a_row = 0
         self.last_blocked_s = 0.0
         self.pg = self.ctl_pg = self.stager = self._lock = None
+        self.resumed_from: fs.Manifest | None = None  # the manifest of the checkpoint this run resumed
+        self.one_save_bytes = 0.0  # the size of one save, from check_space()
         if not self.enabled:
             return
         # Background writes talk on their own gloo group so they never queue behind NCCL work; the
@@ -120,6 +124,37 @@ class CheckpointManager:
             logger.info(f"checkpoint: resumed from {path} (step {step})")
         return step if plan["restores_step"] else 0
 
+    def check_space(self, start_step: int) -> None:
+        """Say what one save of this run takes and what the folder has free; refuse (exit 3) before training
+        when one save does not fit, warn when the saves kept (keep_latest_k, or all) do not."""
+        if not self.enabled:
+            return
+        mine = torch.tensor([space.state_bytes(self._state(model_only=False)), 0], dtype=torch.float64)
+        mine[1] = mine[0]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mine[:1], group=self.ctl_pg)
+            dist.all_reduce(mine[1:], op=dist.ReduceOp.MAX, group=self.ctl_pg)
+        one, per_rank = float(mine[0]), float(mine[1])
+        self.one_save_bytes = one
+        free = self._on_rank0(lambda: shutil.disk_usage(self.folder).free)
+        left = space.saves_left(start_step, self.total_steps, self.cfg.interval)
+        kept = min(self.cfg.keep_latest_k, left) if self.cfg.keep_latest_k else left
+        ranks = f", {space.human(per_rank)} on the largest of {self.env.world_size} ranks" if self.env.world_size > 1 else ""
+        if self.rank == 0:
+            logger.info(f"checkpoint: one save of this run is {space.human(one)}{ranks}; it keeps "
+                        f"{'the newest ' + str(self.cfg.keep_latest_k) if self.cfg.keep_latest_k else 'all ' + str(left)}"
+                        f" ({space.human(kept * one)}); {self.folder} has {space.human(free)} free")
+        if one > free and left and not self.cfg.skip_space_check:
+            raise CheckpointError(f"checkpoint.folder {self.folder} has {space.human(free)} free, one checkpoint of "
+                                  f"this run needs {space.human(one)}; free space, point --checkpoint.folder at a "
+                                  f"larger disk, or train on anyway with --checkpoint.skip_space_check=true (saves "
+                                  f"then fail, --checkpoint.max_consecutive_failures of them in a row)")
+        if kept * one > free and self.rank == 0:
+            logger.warning(f"checkpoint: {kept} saves of {space.human(one)} do not fit the {space.human(free)} free in "
+                           f"{self.folder}: later saves will fail (training goes on past "
+                           f"{self.cfg.max_consecutive_failures} failures in a row, the final save must succeed); "
+                           f"lower checkpoint.keep_latest_k or free space")
+
     def _plan(self) -> dict:
         """Rank 0: which checkpoint to load and whether that is safe for the newer ones."""
         found, others = fs.scan(self.folder)
@@ -181,11 +216,12 @@ class CheckpointManager:
 
     def _load(self, path: Path, plan: dict) -> None:
         exclude = set(self.cfg.exclude_from_loading)
-        try:
-            meta = dcp.FileSystemReader(str(path)).read_metadata()
-        except Exception as e:  # noqa: BLE001 -- a damaged .metadata: whatever unpickling it raises, exit 3
-            raise CheckpointError(self._unreadable(path, e)) from None
         manifest = fs.Manifest.read(path)
+        self.resumed_from = manifest
+        recorded = manifest.files if manifest is not None and self.cfg.verify_checksums else {}
+        with self._unreadable_data(path):  # the small .metadata first: a mismatch is told before the data is read
+            integrity.verify(path, recorded, self.ctl_pg, only=integrity.METADATA)
+            meta = dcp.FileSystemReader(str(path)).read_metadata()
         saved_parts = set(manifest.parts if manifest else ())
         wanted = {n: p for n, p in self.parts.items() if n not in exclude and n in saved_parts}
         same_world = manifest is not None and manifest.dp_world == self.env.dp_world
@@ -205,13 +241,23 @@ class CheckpointManager:
                                                strict_unexpected=name == "model")
         if problems:
             raise CheckpointError(self._mismatch(path, problems, set(wanted)))
-        try:
+        with self._unreadable_data(path):
+            integrity.verify(path, recorded, self.ctl_pg)
             dcp.load(target, checkpoint_id=str(path))
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- unreadable data: exit 3, named
-            raise CheckpointError(self._unreadable(path, e)) from None
         # Applied only after everything was read, so a bad checkpoint leaves the run untouched.
         for name, part in wanted.items():
             part.load_state_dict(target[name])
+
+    @contextlib.contextmanager
+    def _unreadable_data(self, path: Path):
+        """Damaged or missing data (what reading it raises: I/O, unpickling, a checksum) -> exit 3, naming the
+        file and the newest older checkpoint; anything else raised on the way is a bug and keeps its traceback."""
+        try:
+            yield
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if not is_unreadable_data(e):
+                raise
+            raise CheckpointError(self._unreadable(path, e)) from None
 
     def _compared_facts(self) -> dict:
         """The facts a checkpoint must match (the tokenizer's not, with checkpoint.allow_new_tokenizer)."""
@@ -270,15 +316,15 @@ class CheckpointManager:
             self._failed(step, tmp, e, final=step >= self.total_steps)
             return
         state = self._state(model_only)
-        if sync:
+        if sync:  # no background save is in flight: its gloo group is free
             try:
-                write(state, tmp, None, self.cfg.write_threads)
+                files = write(state, tmp, self.pg, self.cfg.write_threads)
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 self.last_blocked_s = time.perf_counter() - t0
                 self._failed(step, tmp, e, final=step >= self.total_steps)
                 return
             self.last_blocked_s = time.perf_counter() - t0
-            self._publish(step, tmp, model_only, t0, background=False)
+            self._publish(step, tmp, model_only, t0, background=False, files=files)
         else:
             self._inflight = (step, BackgroundSave(self.stager, state, tmp, self.pg, self.cfg.write_threads), t0)
             self.last_blocked_s = time.perf_counter() - t0
@@ -310,16 +356,16 @@ class CheckpointManager:
                 return
         self._inflight = None
         try:
-            job.result()
+            files = job.result()
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             self._failed(step, job.path, e, final=False)
             return
-        self._publish(step, job.path, False, t0, background=True)
+        self._publish(step, job.path, False, t0, background=True, files=files)
 
-    def _publish(self, step: int, tmp: Path, model_only: bool, t0: float, background: bool) -> None:
+    def _publish(self, step: int, tmp: Path, model_only: bool, t0: float, background: bool, files: dict) -> None:
         manifest = fs.Manifest(step=step, lineage=self.lineage, parts=["model"] if model_only else list(self.parts),
                                dp_world=self.env.dp_world, facts=self.facts, model_only=model_only,
-                               saved_at=time.time(), run_folder=self.run_folder)
+                               saved_at=time.time(), run_folder=self.run_folder, files=files)
         final = fs.step_dir(self.folder, step)
 
         def publish():
@@ -337,7 +383,7 @@ class CheckpointManager:
         self._completed.append(SaveRecord(step, self.last_blocked_s, time.perf_counter() - t0))
         if self.rank == 0:
             how = " (background)" if background else ""
-            logger.info(f"checkpoint: saved step {step} to {final} ({size / 1e9:.2f} GB) in "
+            logger.info(f"checkpoint: saved step {step} to {final} ({space.human(size)}) in "
                         f"{time.perf_counter() - t0:.2f}s, training "
                         f"waited {self.last_blocked_s:.2f}s{how}"
                         + (f"; removed old {', '.join(f'step-{s}' for s in pruned)}" if pruned else ""))
@@ -352,13 +398,25 @@ class CheckpointManager:
         good = fs.complete_steps(self.folder)
         keep = f"the newest good checkpoint is {fs.step_dir(self.folder, good[-1])}" if good else \
             "no earlier checkpoint exists"
-        msg = f"checkpoint save at step {step} into {self.folder} failed ({describe(err)}); {keep}"
+        msg = f"checkpoint save at step {step} into {self.folder} failed ({self._why_failed(err)}); {keep}"
         limit = self.cfg.max_consecutive_failures
         if final or self.failures_in_a_row > limit:
             why = "the final save failed" if final else f"{self.failures_in_a_row} saves in a row failed"
             raise CheckpointError(f"{msg}; stopping: {why}") from None
         logger.error(f"{msg}; training continues ({self.failures_in_a_row} of at most {limit} failed saves "
                      f"in a row)")
+
+    def _why_failed(self, err: BaseException) -> str:
+        """describe(err), with the disk's state when only torch's zip writer saw the failed write."""
+        if environmental_cause(err) is not None or not any(write_failed(e) for e in causes(err)):
+            return describe(err)
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError:
+            return "the files could not be written: the disk is full or failing"
+        if free < self.one_save_bytes or free < 2**20:
+            return f"[Errno 28] No space left on device: {space.human(free)} free, a save needs {space.human(self.one_save_bytes)}"
+        return f"the files could not be written ({space.human(free)} free now): an I/O error or a quota"
 
     def flush(self) -> list[SaveRecord]:
         """Wait for the save in flight; returns the saves published since the last call."""

@@ -26,6 +26,7 @@ EXTRA_STATE = "_extra_state"
 TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 PARTS: Registry[type] = Registry("checkpoint part")
+KEPT_FROM_CHECKPOINT = ("params", "step")  # a parameter group's keys that are state, not configuration
 
 
 class Part:
@@ -124,7 +125,12 @@ class OptimizerPart(Part):
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state) -> None:
+        """The state (moments, masters, step counts) from the checkpoint; the hyperparameters (lr, betas,
+        eps, weight decay ...) stay this run's, so what the user set now applies on resume."""
+        configured = [{k: v for k, v in g.items() if k not in KEPT_FROM_CHECKPOINT} for g in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state)
+        for group, mine in zip(self.optimizer.param_groups, configured):
+            group.update(mine)
 
 
 @PARTS.register("lr_scheduler")
@@ -138,7 +144,13 @@ class LRSchedulerPart(Part):
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state) -> None:
+        """The schedule's position from the checkpoint; its peak lr and shape from this run's config."""
         self.scheduler.load_state_dict(state)
+        groups = self.scheduler.optimizer.param_groups
+        self.scheduler.base_lrs = [g["initial_lr"] for g in groups]
+        for g, base, factor in zip(groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            g["lr"] = base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in groups]
 
 
 @PARTS.register("train_state")
