@@ -89,8 +89,7 @@ def _reshard(saved_world, loaded_world, opt, tmp_path, one_rank=None):
     saved_extra, loaded_extra = extra(saved_world), extra(loaded_world)
     run_ranks(_run, saved_world, str(tmp_path), "disabled", 5, saved_extra)
     ref = run_ranks(_full_state, saved_world, str(tmp_path), saved_extra)[0]
-    excl = {"checkpoint": {"exclude_from_loading": ["dataloader", "rng"]}, **loaded_extra}
-    got = run_ranks(_full_state, loaded_world, str(tmp_path), excl)[0]
+    got = run_ranks(_full_state, loaded_world, str(tmp_path), loaded_extra)[0]
     assert ref[0] == got[0] == 5
     layouts = {saved_world: ref[3], loaded_world: got[3]}
     assert layouts == {1: "none" if one_rank else "fsdp", 2: "fsdp"}
@@ -118,11 +117,24 @@ def test_unsharded_one_rank_and_fsdp_load_each_others_checkpoints(saved_world, l
              one_rank={"parallelism": {"unsharded_one_rank": True, "comm_timeout_s": 120}})
 
 
-def test_reshard_without_excluding_dataloader_names_the_option(tmp_path):
-    run_ranks(_run, 2, str(tmp_path), "disabled", 5, {})
-    with pytest.raises(AssertionError) as e:
-        run_ranks(_run, 1, str(tmp_path), "disabled", None, {})
-    assert "--checkpoint.exclude_from_loading=dataloader" in str(e.value)
+@pytest.mark.parametrize("saved_world, loaded_world", [(2, 1), (1, 2), (2, 4)])
+def test_elastic_resume_trains_on_the_batches_of_the_uninterrupted_run(saved_world, loaded_world, tmp_path, reference):
+    """The data position is global (windows consumed by all ranks together): a checkpoint of N ranks resumes
+    on M and the run goes on with exactly the global batches it would have seen (same losses; the global
+    batch of 4 is 2 x 2 x 1, 1 x 2 x 2 or 4 x 1 x 1 ranks x micro-batch x accumulation)."""
+    def extra(world):
+        return {"training": {"local_batch_size": 1}} if world == 4 else {}
+
+    first = run_ranks(_run, saved_world, str(tmp_path), "disabled", HALF, extra(saved_world))
+    second = run_ranks(_run, loaded_world, str(tmp_path), "disabled", None, extra(loaded_world))
+    assert second[0][0] == HALF
+    assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5)
+
+
+def test_loader_workers_change_freely_on_resume(tmp_path, reference):
+    first = run_ranks(_run, 1, str(tmp_path), "disabled", HALF, {})
+    second = run_ranks(_run, 1, str(tmp_path), "disabled", None, {"data": {"num_workers": 2}})
+    assert first[0][1] + second[0][1] == reference[1]  # bit for bit
 
 
 def test_retention_keeps_latest_k_and_ignores_partial_saves(tmp_path):

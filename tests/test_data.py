@@ -140,34 +140,39 @@ def _batches(loader, n):
     return [next(it)["input"].clone() for _ in range(n)]
 
 
-def _restored_loader_matches(_rank, _world, workers, dp_world) -> bool:
+def _global_batches(source, dp: int, workers: int, position, steps: int, global_batch: int = 8) -> list:
+    """The sequences of each step's global batch (all ranks together), read from `position` on."""
     from titan_te.data.loader import build_dataloader
+
+    loaders = [build_dataloader(source, 16, global_batch // dp, r, dp, seed=3, shuffle=True, num_workers=workers,
+                                pin_memory=False, global_batch=global_batch) for r in range(dp)]
+    for loader in loaders:
+        loader.dataset.start_at(position)
+    its = [iter(loader) for loader in loaders]
+    return [sorted(tuple(x.tolist()) for it in its for x in next(it)["input"]) for _ in range(steps)]
+
+
+def _position_resumes(_rank, _world, workers, dp_world) -> bool:
+    from titan_te.data.loader import DataPosition
     from titan_te.data.token_source import TokenSource
 
-    source = TokenSource([np.arange(5000) % 250], "counting", 258)  # 5000 tokens: epochs wrap during the test
-    for rank in range(dp_world):
-        make = lambda: build_dataloader(source, 16, 4, rank, dp_world, seed=3, shuffle=True,  # noqa: E731
-                                        num_workers=workers, pin_memory=False)
-        loader = make()
-        it = iter(loader)
-        for _ in range(30):
-            next(it)
-        state = loader.state_dict()
-        expected = [next(it)["input"].clone() for _ in range(50)]
-        fresh = make()
-        fresh.load_state_dict(state)
-        got = _batches(fresh, 50)
-        if len(got) != 50 or not all(torch.equal(a, b) for a, b in zip(expected, got)):
+    source = TokenSource([np.arange(5000) % 250], "counting", 258)  # 312 windows: 39 steps of 8 an epoch
+    full = _global_batches(source, dp_world, workers, DataPosition(), 80)
+    position = DataPosition()
+    for _ in range(30):
+        position.advance(8, source.num_windows(16))
+    for dp, w in ((1, 0), (2, 2), (4, 1)):  # resumed on other ranks and workers: the same global batches
+        if _global_batches(source, dp, w, position, 50) != full[30:]:
             return False
     return True
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("dp_world", [1, 2])
-def test_restored_loader_yields_exactly_the_next_batches(workers, dp_world):
+def test_the_data_position_resumes_on_any_ranks_and_workers(workers, dp_world):
     # In a fresh process, as a training rank has it: loader workers forked from the test runner itself
     # inherit whatever threads earlier in-process tests left behind.
-    assert run_ranks(_restored_loader_matches, 1, workers, dp_world) == [True]
+    assert run_ranks(_position_resumes, 1, workers, dp_world) == [True]
 
 
 def test_global_batch_is_the_same_sequences_for_one_or_two_ranks():
@@ -366,3 +371,18 @@ def test_embedded_corpus_walks_only_the_standard_library_and_skips_vanished_file
     monkeypatch.setattr(embedded, "stdlib_files", lambda root: listed)
     monkeypatch.setattr(embedded.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     assert list(embedded.stdlib_documents()) == ["# a.py\n", "# pkg/b.py\n"]
+
+
+def test_a_streamed_datasets_position_names_what_to_do_on_other_workers_or_ranks(tmp_path):
+    """hf streams are split by (rank, worker): their position resumes only on as many of both; otherwise one
+    line names the option to go on with a new order."""
+    pytest.importorskip("datasets")
+    files = _hf_corpus(tmp_path / "hf", files=2, docs=6)
+    hf = ["--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}", "--checkpoint.enable=true"]
+    assert _train(tmp_path, *hf).returncode == 0
+    r = _train(tmp_path, *hf, "--training.steps=4", "--data.num_workers=1")
+    assert r.returncode == 3 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "saved with data.num_workers = 0 and cannot be resharded to 1" in r.stderr
+    assert "--checkpoint.exclude_from_loading=dataloader" in r.stderr
+    r = _train(tmp_path, *hf, "--training.steps=4", "--data.num_workers=1", "--checkpoint.exclude_from_loading=dataloader")
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -406,8 +406,6 @@ CHECKPOINT_CASES = {
     "more-layers": (lambda ck: None, ["--model.n_layers=6", "--training.steps=6"], "model.n_layers is 4"),
     "other-optimizer": (lambda ck: None, ["--optimizer.name=fused_adam", "--optimizer.moment_dtype=bfloat16",
                                           "--training.steps=6"], "optimizer.moment_dtype is 'float32'"),
-    "reshard-dataloader": (lambda ck: _set_manifest(ck / "step-4", dp_world=2), ["--training.steps=6"],
-                           "--checkpoint.exclude_from_loading=dataloader,rng"),
     "flipped-bit": (lambda ck: _flip_a_bit(_first(ck / "step-4", "*.distcp")), ["--training.steps=6"],
                     "__0_0.distcp differs from what was saved"),
     "file-of-another-step": (lambda ck: shutil.copy(_first(ck / "step-2", "*.distcp"), _first(ck / "step-4", "*.distcp")),

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
 from titan_te.data import DATASETS, TOKENIZERS
-from titan_te.data.loader import build_dataloader
+from titan_te.data.loader import DataPosition, build_dataloader
 from titan_te.data.tokenizers import padded_vocab
 from titan_te.fp8 import FP8Context, fp8_stats
 from titan_te.hardware import resolve_backend, resolve_device
@@ -153,9 +153,12 @@ class Trainer:
             if val_source is None:
                 source, val_source = source.split(cfg.validation.hold_out_fraction)
         self._data_line = _describe_data(cfg, source, val_source, self.tokenizer)
+        self.global_batch = t.local_batch_size * self.grad_accum * env.dp_world  # sequences per step
         self.dataloader = build_dataloader(source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
                                            t.seed, cfg.data.shuffle, cfg.data.num_workers,
-                                           pin_memory=device_type == "cuda")
+                                           pin_memory=device_type == "cuda", global_batch=self.global_batch)
+        # where the data stands, the same on every rank: resumes on any number of ranks and loader workers
+        self.data_position = DataPosition() if getattr(self.dataloader.dataset, "global_position", False) else None
 
         # 3. model on the meta device (FP8 weights inside TE's quantized_model_init)
         SIGNALS.doing("building the model")
@@ -218,7 +221,8 @@ class Trainer:
         self.state = TrainState()
         ck = cfg.checkpoint
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
-                               env.dp_world, export_dtype=getattr(torch, ck.export_dtype))
+                               env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
+                               data_position=self.data_position)
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
         self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder)
         # A background save copies the weights while the next forward/backward runs; they must not
@@ -387,6 +391,8 @@ class Trainer:
                     raise out_of_memory(step, e, None) from None
                 self.state.step = step
                 self.state.tokens_seen += self.tokens_per_step
+                if self.data_position is not None:
+                    self.data_position.advance(self.global_batch, self.dataloader.dataset.n_windows)
                 self._record_pending()  # the previous step's values: its GPU work is done by now
                 self._pending = (DeviceValues(values), step, lr, epoch, t_data)
                 stop = preempt.requested_everywhere()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_te.data.loader import build_dataloader
+from titan_te.data.loader import DataPosition, build_dataloader
 from titan_te.loss import IGNORE_INDEX
 
 
@@ -30,7 +30,7 @@ class Validator:
     def run(self, model: nn.Module, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
         """The mean loss over the held-out batches; `loss_sum(input, labels)` runs the forward (of `model`,
         which is put in eval mode meanwhile) and returns the summed cross-entropy of the valid tokens."""
-        self.loader.dataset.load_state_dict({"epoch": 0, "position": 0})  # the same batches every time
+        self.loader.dataset.start_at(DataPosition())  # the same batches every time
         model.eval()
         total = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)

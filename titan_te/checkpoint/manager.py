@@ -225,13 +225,18 @@ class CheckpointManager:
         saved_parts = set(manifest.parts if manifest else ())
         wanted = {n: p for n, p in self.parts.items() if n not in exclude and n in saved_parts}
         same_world = manifest is not None and manifest.dp_world == self.env.dp_world
-        if not same_world and "dataloader" in wanted:
+        if not same_world and "dataloader" in wanted and wanted["dataloader"].resharding == "per_rank":
             raise CheckpointError(
                 f"checkpoint {path} was written by {manifest.dp_world} data-parallel ranks, this run has "
-                f"{self.env.dp_world}: the data loader's position cannot be resharded. Resume with "
-                f"--checkpoint.exclude_from_loading=dataloader,rng (model and optimizer reshard exactly; "
-                f"the data order restarts)")
+                f"{self.env.dp_world}: a streamed dataset's position (data.dataset = 'hf') cannot be resharded. "
+                f"Resume on {manifest.dp_world} ranks, or with --checkpoint.exclude_from_loading=dataloader (model "
+                f"and optimizer reshard exactly; the stream's order starts afresh)")
         if not same_world:
+            dropped = sorted(n for n, p in wanted.items() if p.resharding == "per_rank")
+            if dropped and self.rank == 0:
+                logger.info(f"checkpoint: written by {manifest.dp_world} data-parallel ranks, resumed on "
+                            f"{self.env.dp_world}: the model, optimizer and data position reshard; the per-rank "
+                            f"{', '.join(dropped)} state starts from the seed")
             wanted = {n: p for n, p in wanted.items() if p.resharding != "per_rank"}
         target = {n: p.load_target() for n, p in wanted.items()}
         problems = fact_differences(manifest.facts if manifest else {}, self._compared_facts(), set(wanted))

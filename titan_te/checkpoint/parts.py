@@ -2,7 +2,7 @@
 
   sharded     tensors sharded over the data-parallel mesh; DCP reshards them to any world size
   replicated  the same on every rank; written once (by rank 0), loaded by every rank
-  per_rank    one entry per rank (data-loader position, RNG); loads only at the same data-parallel size
+  per_rank    one entry per rank (RNG, a streamed dataset's position); loads only at the same data-parallel size
 
 `checkpoint.exclude_from_loading` names parts of PARTS. The manager saves `{name: part.state_dict()}`
 in one DCP call and loads into `{name: part.load_target()}`, then hands each part its state.
@@ -198,17 +198,41 @@ class PerRankPart(Part):
 
 @PARTS.register("dataloader")
 class DataLoaderPart(PerRankPart):
+    """Where the data stands. A dataset with a global position (tokens, files, embedded): its DataPosition,
+    the same on every rank, written once and loaded on any number of ranks and loader workers. A streamed
+    dataset (hf): every rank's loader state, which resumes only on as many ranks and workers."""
+
     name = "dataloader"
 
-    def __init__(self, dataloader, rank: int):
+    def __init__(self, dataloader, rank: int, position=None):
         super().__init__(rank)
-        self.dataloader = dataloader
+        self.dataloader, self.position = dataloader, position
+        self.resharding = "replicated" if position is not None else "per_rank"
+
+    def state_dict(self):
+        return self.position.state_dict() if self.position is not None else super().state_dict()
+
+    def load_target(self):
+        return {"epoch": 0, "offset": 0} if self.position is not None else super().load_target()
+
+    def load_state_dict(self, state) -> None:
+        if self.position is None:
+            return super().load_state_dict(state)
+        self.position.load_state_dict(state)
+        self.dataloader.dataset.start_at(self.position)
 
     def local_state(self):
-        return self.dataloader.state_dict()
+        return {"num_workers": self.dataloader.num_workers, "loader": self.dataloader.state_dict()}
 
     def set_local_state(self, state) -> None:
-        self.dataloader.load_state_dict(state)
+        from titan_te.errors import CheckpointError
+
+        if state["num_workers"] != self.dataloader.num_workers:
+            raise CheckpointError(f"this streamed dataset's position was saved with data.num_workers = "
+                                  f"{state['num_workers']} and cannot be resharded to {self.dataloader.num_workers}; "
+                                  f"resume with --data.num_workers={state['num_workers']}, or start the stream's "
+                                  f"order afresh with --checkpoint.exclude_from_loading=dataloader")
+        self.dataloader.load_state_dict(state["loader"])
 
 
 @PARTS.register("rng")
@@ -230,11 +254,11 @@ class RNGPart(PerRankPart):
 
 
 def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, rank: int, dp_world: int,
-                   export_dtype: torch.dtype | None = None) -> dict[str, Part]:
+                   export_dtype: torch.dtype | None = None, data_position=None) -> dict[str, Part]:
     """The parts of a training run, in the order they are saved and restored."""
     parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
                          LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
-                         DataLoaderPart(dataloader, rank), RNGPart(rank)]
+                         DataLoaderPart(dataloader, rank, data_position), RNGPart(rank)]
     fp8 = FP8Part(model)
     if fp8.present():
         parts.append(fp8)

@@ -1,15 +1,17 @@
 """Packed, sharded, shuffled, endlessly repeating sequences behind a StatefulDataLoader.
 
-The order is a pure function of (seed, epoch): window indices are permuted per epoch and cut into
-blocks of one micro-batch; blocks are dealt to data-parallel ranks round-robin, then to loader
-workers round-robin (a DataLoader interleaves its workers' batches in the same way). So the global
-batch of a step is the same set of sequences for any data-parallel size and accumulation split. The dataset's state is
-(epoch, position); StatefulDataLoader saves it per worker, so a restored loader yields exactly the
-batches an uninterrupted run would have seen next.
+The order is a pure function of (seed, epoch): the windows of an epoch are permuted, and each step takes
+the next `global_batch` of them. They are cut into blocks of one micro-batch, dealt to data-parallel
+ranks round-robin, then to loader workers round-robin (a DataLoader interleaves its workers' batches in
+the same way). So the global batch of a step is the same set of sequences for any data-parallel size,
+accumulation split and number of workers, and where the data stands is one global `DataPosition`:
+(epoch, windows of that epoch's order consumed by all ranks together). It is saved once and resumes on
+any number of ranks and workers: the run goes on with exactly the batches it would have seen.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,51 +21,85 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from titan_te.errors import DataError
 
 
+@dataclass
+class DataPosition:
+    """Where a run stands in its data: `offset` windows of epoch `epoch`'s order are consumed."""
+
+    epoch: int = 0
+    offset: int = 0
+
+    def normalized(self, global_batch: int, n_windows: int) -> "DataPosition":
+        """An epoch with less than one global batch left is over (the tail is skipped, as in every epoch)."""
+        if n_windows - self.offset < global_batch:
+            return DataPosition(self.epoch + 1, 0)
+        return DataPosition(self.epoch, self.offset)
+
+    def advance(self, global_batch: int, n_windows: int) -> None:
+        """After a step that consumed one global batch."""
+        nxt = DataPosition(self.epoch, self.offset + global_batch).normalized(global_batch, n_windows)
+        self.epoch, self.offset = nxt.epoch, nxt.offset
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
 class PackedSequences(IterableDataset):
+    global_position = True  # where it stands is a DataPosition, the same on every rank
+
     def __init__(self, source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                 shuffle: bool):
+                 shuffle: bool, global_batch: int):
         self.source, self.seq_len, self.batch_size = source, seq_len, batch_size
-        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.dp_rank, self.dp_world, self.global_batch = dp_rank, dp_world, global_batch
         self.seed, self.shuffle = seed, shuffle
         self.n_windows = source.num_windows(seq_len)
-        if self.n_windows < dp_world * batch_size:
+        if self.n_windows < global_batch:
             raise DataError(f"dataset {source.name} ({source.num_tokens:,} tokens) holds {self.n_windows} sequences "
-                            f"of training.seq_len + 1 = {seq_len + 1} tokens, fewer than one micro-batch on every "
-                            f"rank ({dp_world} x {batch_size}); use a shorter training.seq_len, a smaller "
-                            f"local_batch_size or more data")
-        self.epoch, self.position = 0, 0
+                            f"of training.seq_len + 1 = {seq_len + 1} tokens, fewer than one global batch of "
+                            f"{global_batch}; use a shorter training.seq_len, a smaller batch or more data")
+        self.start = DataPosition()
 
-    def _order(self, epoch: int, worker: int, n_workers: int) -> np.ndarray:
+    def start_at(self, position: DataPosition) -> None:
+        """Where the next iteration begins (before the loader's workers start)."""
+        self.start = DataPosition(position.epoch, position.offset)
+
+    def _rank_blocks(self, position: DataPosition) -> np.ndarray:
+        """This rank's micro-batches (rows of window indices) of one epoch, from `position` on."""
         idx = np.arange(self.n_windows)
         if self.shuffle:
-            idx = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        per_round = self.batch_size * self.dp_world  # equal whole blocks for every rank
-        blocks = idx[: (self.n_windows // per_round) * per_round].reshape(-1, self.batch_size)
-        return blocks[self.dp_rank::self.dp_world][worker::n_workers].reshape(-1)
+            idx = np.random.default_rng([self.seed, position.epoch]).permutation(self.n_windows)
+        usable = (self.n_windows - position.offset) // self.global_batch * self.global_batch  # whole steps
+        blocks = idx[position.offset:position.offset + usable].reshape(-1, self.batch_size)
+        return blocks[self.dp_rank::self.dp_world]
 
     def __iter__(self):
         info = get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        position = self.start.normalized(self.global_batch, self.n_windows)
+        k = 0  # this rank's micro-batches since the start, over epochs: worker k % n_workers reads the k-th
         while True:
-            order = self._order(self.epoch, worker, n_workers)
-            while self.position < len(order):
-                w = torch.from_numpy(self.source.window(int(order[self.position]), self.seq_len))
-                self.position += 1
-                yield {"input": w[:-1], "labels": w[1:], "epoch": self.epoch}
-            self.epoch, self.position = self.epoch + 1, 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            blocks = self._rank_blocks(position)
+            for block in blocks[(worker - k) % n_workers::n_workers]:
+                for i in block:
+                    w = torch.from_numpy(self.source.window(int(i), self.seq_len))
+                    yield {"input": w[:-1], "labels": w[1:], "epoch": position.epoch}
+            k += len(blocks)
+            position = DataPosition(position.epoch + 1, 0)
 
 
 def build_dataloader(source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int,
-                     shuffle: bool, num_workers: int, pin_memory: bool) -> StatefulDataLoader:
-    # A streamed source (hf) packs its own sequences; token sources are packed by window index here.
-    make = getattr(source, "sequences", None) or (lambda *a: PackedSequences(source, *a))
-    ds = make(seq_len, batch_size, dp_rank, dp_world, seed, shuffle)
+                     shuffle: bool, num_workers: int, pin_memory: bool,
+                     global_batch: int | None = None) -> StatefulDataLoader:
+    """`global_batch`: sequences per optimizer step over all ranks (default: one micro-batch per rank)."""
+    global_batch = global_batch or batch_size * dp_world
+    if global_batch % (batch_size * dp_world):
+        raise ValueError(f"global batch {global_batch} is not a multiple of {batch_size} x {dp_world}")
+    if getattr(source, "sequences", None):  # a streamed source (hf) packs its own sequences, per rank
+        ds = source.sequences(seq_len, batch_size, dp_rank, dp_world, seed, shuffle)
+    else:  # token sources: packed by window index here
+        ds = PackedSequences(source, seq_len, batch_size, dp_rank, dp_world, seed, shuffle, global_batch)
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated API
     return StatefulDataLoader(ds, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
                               prefetch_factor=4 if num_workers else None,
