@@ -1,0 +1,267 @@
+"""Many GPUs, proven on one: 2, 3 and 4 ranks share the H200 (TITAN_TE_SHARE_GPU=1: every rank on cuda:0,
+gloo for CUDA tensors) and run the multi-GPU path for real: FSDP2 over TE FP8 weights, FP8 all-gather,
+fused_adam (Triton) over real shards, amax reduction, DCP resharding, the launcher's signals.
+
+Shapes: the 1B flavor cut to 2 blocks and seq 512 (1B's widths, so the FP8 GEMMs and the optimizer's FP8
+path are the presets'); 3 ranks give uneven shards (2048 and 8192 rows do not divide by 3).
+"""
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from helpers import make_cfg, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+SHARE = "TITAN_TE_SHARE_GPU"
+FP8_PRESET = {"model": {"flavor": "1B", "n_layers": 2, "backend": "te"},
+              "training": {"seq_len": 512, "deterministic": True, "steps": 12},
+              "fp8": {"enable": True, "params": True, "recipe": "delayed"},
+              "optimizer": {"name": "fused_adam", "moment_dtype": "bfloat16", "lr": 3e-4},
+              "lr_scheduler": {"warmup_steps": 3},
+              "metrics": {"log_freq": 1, "enable_tensorboard": False}}
+
+
+def _sections(**extra) -> dict:
+    out = {k: dict(v) for k, v in FP8_PRESET.items()}
+    for k, v in extra.items():
+        out.setdefault(k, {}).update(v)
+    return out
+
+
+def _trainer(tmp, world, **extra):
+    os.environ[SHARE] = "1"
+    from titan_te.trainer import Trainer
+
+    return Trainer(make_cfg(tmp, world=world, **_sections(**extra)))
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _values(t) -> torch.Tensor:
+    """A weight shard's values as float32 on the CPU (an FP8 shard dequantized with its scale)."""
+    t = _local(t)
+    return (t.dequantize() if hasattr(t, "dequantize") else t).float().detach().cpu().clone()
+
+
+# --- world-size-invariant initialization --------------------------------------------------------------
+def _init_shards(rank, world, tmp):
+    tr = _trainer(tmp, world)
+    shards = {n: _values(p) for n, p in tr.model.named_parameters()}
+    shared = tr.env.shared_gpu
+    tr.close()
+    return shards, shared
+
+
+def _full(per_rank: list[dict]) -> dict:
+    """Full tensors from FSDP2's dim-0 shards (torch.chunk order; the last ranks' chunks may be short or empty)."""
+    return {n: torch.cat([r[n] for r in per_rank]) for n in per_rank[0]}
+
+
+def test_full_weights_after_init_are_the_same_for_1_2_3_and_4_ranks(tmp_path):
+    ref = _full([s for s, _ in run_ranks(_init_shards, 1, str(tmp_path / "w1"))])
+    for world in (2, 3, 4):
+        got = run_ranks(_init_shards, world, str(tmp_path / f"w{world}"))
+        assert all(shared for _, shared in got)
+        full = _full([s for s, _ in got])
+        assert full.keys() == ref.keys()
+        for n in ref:
+            assert torch.equal(full[n], ref[n]), f"{n} differs on {world} ranks"
+
+
+# --- losses of N ranks x batch b track 1 rank x batch N*b ----------------------------------------------------
+def _losses(rank, world, tmp, local_batch, global_batch):
+    tr = _trainer(tmp, world, training={"local_batch_size": local_batch, "global_batch_size": global_batch})
+    losses = tr.train()
+    tr.close()
+    return losses
+
+
+# The same global batch and the same full weights: the runs differ only in how the gradient sum is split and
+# reduced (fp32 reduce-scatter over 2-4 shards vs one local sum), which moves the FP8 scales' inputs by
+# rounding; over 12 steps that stayed within 0.5% in the issue's measurement. 1% allows for that rounding
+# and no more: a wrong shard, batch or scale would move the loss by far more.
+TRACK = 0.01
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_n_ranks_track_one_rank_with_the_same_global_batch(world, tmp_path):
+    local, total = (1, world) if world != 3 else (2, 6)  # N ranks x b against 1 rank x N*b
+    one = run_ranks(_losses, 1, str(tmp_path / "one"), total, total)[0]
+    many = run_ranks(_losses, world, str(tmp_path / "many"), local, total)
+    worst = max(abs(a - b) / a for a, b in zip(one, many[0]))
+    print(f"{world} ranks x {local} against 1 x {total}: worst relative loss gap over {len(one)} steps {worst:.2e}")
+    assert all(r == many[0] for r in many)  # every rank logs the same global loss
+    assert one[-1] < one[0] and worst < TRACK
+
+
+# --- FP8 all-gather moves FP8 bytes ----------------------------------------------------------------------
+def _gathered_bytes(rank, world, tmp):
+    import torch.distributed as dist
+
+    counted = {"bytes": 0, "calls": 0}
+    real = dist.all_gather_into_tensor
+
+    def counting(output, input, *a, **kw):
+        counted["bytes"] += output.numel() * output.element_size()
+        counted["calls"] += 1
+        return real(output, input, *a, **kw)
+
+    tr = _trainer(tmp, world, training={"steps": 3, "local_batch_size": 1})
+    dist.all_gather_into_tensor = counting
+    try:
+        tr.train(until_step=1)  # warm-up
+        counted.update(bytes=0, calls=0)
+        tr.train(until_step=2)
+    finally:
+        dist.all_gather_into_tensor = real
+    fp8 = sum(p.numel() for p in tr.model.parameters() if hasattr(_local(p), "_data"))
+    other = sum(p.numel() for p in tr.model.parameters() if not hasattr(_local(p), "_data"))
+    tr.close()
+    return counted, fp8, other
+
+
+def test_fsdp_all_gathers_fp8_bytes_for_fp8_weights(tmp_path):
+    """One step (forward, and backward with reshard_after_forward) gathers every weight twice: FP8 weights as
+    1 byte an element (+ scales), the rest (embedding, norms, head) as bf16, 2 bytes."""
+    counted, fp8, other = run_ranks(_gathered_bytes, 2, str(tmp_path))[0]
+    per_gather = fp8 * 1 + other * 2
+    bf16_would_be = (fp8 + other) * 2
+    ratio = counted["bytes"] / per_gather
+    print(f"all-gathered {counted['bytes'] / 1e6:,.1f} MB in {counted['calls']} calls for one step; FP8 size of one "
+          f"gather of all weights {per_gather / 1e6:,.1f} MB ({fp8 / 1e6:,.1f} M FP8 + {other / 1e6:,.1f} M bf16 "
+          f"elements), bf16 size {bf16_would_be / 1e6:,.1f} MB; ratio {ratio:.2f}")
+    assert 1.5 <= ratio <= 2.2  # forward + backward gathers of FP8 bytes (and small scale tensors)
+    assert counted["bytes"] < 2.2 * per_gather < 2 * bf16_would_be
+
+
+# --- delayed-scaling amax is reduced over the data-parallel group ------------------------------------------
+def _stats_after(rank, world, tmp):
+    from titan_te.fp8 import fp8_stats
+
+    tr = _trainer(tmp, world, training={"steps": 3, "local_batch_size": 1})
+    tr.train()
+    stats = fp8_stats(tr.model)
+    tr.close()
+    return stats
+
+
+def test_fp8_scales_are_equal_on_every_rank_after_a_step(tmp_path):
+    per_rank = run_ranks(_stats_after, 4, str(tmp_path))  # each rank saw other sequences
+    assert per_rank[0] and all(r == per_rank[0] for r in per_rank), per_rank
+
+
+# --- DCP reshard of FP8 weights + FP32 masters + bf16 moments: 1 -> 2 -> 4 -> 1 ------------------------------
+def _state_shards(rank, world, tmp, train_until):
+    """Train to `train_until` (saving there) or, with None, only resume; returns this rank's shards of the
+    model (FP8 bytes + scales) and the optimizer state (FP32 masters, bf16 moments)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    tr = _trainer(tmp, world, training={"steps": 100, "local_batch_size": 4 // world},
+                  checkpoint={"enable": True, "interval": 1000, "async_mode": "async_with_pinned_mem"})
+    if train_until is not None:
+        tr.train(until_step=train_until)
+        tr.checkpointer.save(train_until)
+        tr.checkpointer.flush()
+    model = {n: _values(p) for n, p in tr.model.named_parameters()}
+    osd = get_optimizer_state_dict(tr.model, tr.optimizer)["state"]
+    opt = {f"{k}.{n}": _local(t).detach().cpu().clone().reshape(-1) for k, s in osd.items() for n, t in s.items()
+           if torch.is_tensor(t) and t.dim() > 0}
+    step = tr.state.step
+    tr.close()
+    return step, model, opt
+
+
+def test_fp8_state_reshards_exactly_1_to_2_to_4_to_1(tmp_path):
+    """FP8 weights compared as their full dequantized values (the same bytes and per-tensor scale give the
+    same values), FP32 masters and bf16 moments bit for bit, after every hop of the chain."""
+    folder = str(tmp_path)
+    saved = run_ranks(_state_shards, 1, folder, 3)
+    for world in (2, 4, 1):
+        loaded = run_ranks(_state_shards, world, folder, None)
+        assert loaded[0][0] == 3
+        for part in (1, 2):
+            a, b = _full([r[part] for r in saved]), _full([r[part] for r in loaded])
+            assert a.keys() == b.keys() and a
+            for n in a:
+                assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} after the hop to {world} ranks"
+        saved = loaded
+
+
+# --- the launcher on shared ranks: kill -9 during an async save, SIGTERM -------------------------------------
+SHAPE = ["--model.n_layers=2", "--training.seq_len=512", "--training.local_batch_size=1",
+         "--training.deterministic=true", "--lr_scheduler.warmup_steps=3", "--metrics.log_freq=1",
+         "--checkpoint.interval=3", "--checkpoint.async_mode=async_with_pinned_mem"]
+
+
+def _env(ngpu: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return {**env, SHARE: "1", "NGPU": str(ngpu)}
+
+
+def _args(tmp_path: Path, steps: int) -> list[str]:
+    return ["./run_train.sh", "--config", "llama3_1b_fp8", f"--job.dump_folder={tmp_path}", f"--training.steps={steps}",
+            *SHAPE]
+
+
+LOSS = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
+
+
+def test_two_shared_ranks_survive_kill_9_during_an_async_save_and_sigterm(tmp_path):
+    ref = subprocess.run(_args(tmp_path / "ref", 12), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=_env(2))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert f"{SHARE}=1: every rank on cuda:0 over gloo" in ref.stdout
+    want = {int(s): float(v) for s, v in LOSS.findall(ref.stdout)}
+    # kill -9 of the launcher while step 6's background save is in flight (its workers then get SIGTERM)
+    proc = subprocess.Popen(_args(tmp_path / "run", 12), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env(2), start_new_session=True)
+    for line in proc.stdout:
+        if re.search(r"step\s+7\s+loss", line):
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(2)
+    again = subprocess.run(_args(tmp_path / "run", 12), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env=_env(2))
+    assert again.returncode == 0, again.stderr[-3000:]
+    start = int(re.search(r"training from step (\d+)", again.stdout).group(1))
+    assert start in (4, 7)  # from step-3, or step-6 if its background save landed before the kill
+    got = {int(s): float(v) for s, v in LOSS.findall(again.stdout)}
+    worst = max(abs(got[s] - want[s]) / want[s] for s in got)
+    print(f"resumed at {start}; worst relative loss gap to the uninterrupted 2-rank run {worst:.2e}")
+    assert worst < 1e-3
+    # SIGTERM to the group: every rank saves (one checkpoint, written by both ranks), exit 75
+    proc = subprocess.Popen(_args(tmp_path / "term", 1000), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(2), start_new_session=True)
+    for line in proc.stdout:
+        if re.search(r"step\s+4\s+loss", line):
+            break
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75 and err.startswith("preempted: stopped by a signal after step"), err
+    step = int(err.split("after step ")[1].split(";")[0])
+    folder = next((tmp_path / "term").glob(f"*/checkpoint/step-{step}"))
+    assert {p.name.split("_")[2] for p in folder.glob("__*_*.distcp")} == {"0", "1"}  # both ranks wrote shards
+
+
+# --- HSDP 2 x 2 and DDP with FP8 --------------------------------------------------------------------------
+@pytest.mark.parametrize("ngpu, parallel", [(4, ["--parallelism.data_parallel=hsdp",
+                                                 "--parallelism.data_parallel_replicate_degree=2"]),
+                                            (2, ["--parallelism.data_parallel=ddp"])], ids=["hsdp-2x2", "ddp-2"])
+def test_hsdp_and_ddp_train_fp8_on_shared_ranks(ngpu, parallel, tmp_path):
+    r = subprocess.run([*_args(tmp_path, 8), "--checkpoint.enable=false", *parallel], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env=_env(ngpu))
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [float(v) for _, v in LOSS.findall(r.stdout)]
+    print(parallel, losses)
+    assert len(losses) == 8 and losses[-1] < losses[0]
