@@ -11,7 +11,8 @@ benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps a
 device synchronizations; then --profile_steps more are traced with torch.profiler and their GPU time is
 split by kernel name into categories, with `idle` the part of the wall time no kernel or copy ran.
 
-tok/s, TFLOP/s (6 x parameters + attention, the trainer's formula, the same for every run), MFU
+tok/s, TFLOP/s (6 x parameters + attention, the trainer's formula, the same for every run; and by
+Megatron's count, which halves causal attention, to compare with its tables), MFU
 against the dense bf16 peak (989 TFLOP/s on an H200), the peak of allocated memory, and the ratio to
 the peer of the same size. A `<name>_before` run takes the code from --before (a checkout of an
 older commit) to compare a change in the same session.
@@ -146,6 +147,7 @@ def _timed(fn, warmup: int, steps: int) -> float:
 def child_preset(a, overrides: list[str]) -> dict:
     from titan_te import config as config_mod
     from titan_te.logging_setup import setup_logging
+    from titan_te.metrics import causal_flops_per_token
     from titan_te.trainer import Trainer
 
     preset, _, _ = PRESETS[a.size]
@@ -167,9 +169,10 @@ def child_preset(a, overrides: list[str]) -> dict:
         peak = _peak_gib()
         _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
         tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)
+        causal = causal_flops_per_token(tr.model_args, cfg.training.seq_len)
         losses = [tr.losses[0], tr.losses[-1]]
-    return {"step_s": step_s, "tokens": tokens, "flops_per_token": flops, "peak_gib": peak, "parts": parts,
-            "losses": losses}
+    return {"step_s": step_s, "tokens": tokens, "flops_per_token": flops, "causal_flops_per_token": causal,
+            "peak_gib": peak, "parts": parts, "losses": losses}
 
 
 def child_peer(a, opts: dict) -> dict:
@@ -179,6 +182,7 @@ def child_peer(a, opts: dict) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_llama import build_peer, peer_step
 
+    from titan_te.metrics import causal_flops_per_token
     from titan_te.models.llama import resolve_args
 
     _, flavor, batch = PRESETS[a.size]
@@ -208,7 +212,8 @@ def child_peer(a, opts: dict) -> dict:
     _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
     dist.destroy_process_group()
     return {"step_s": step_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
-            "peak_gib": peak, "parts": parts, "losses": [losses[0], losses[-1]]}
+            "causal_flops_per_token": causal_flops_per_token(args, a.seq_len), "peak_gib": peak, "parts": parts,
+            "losses": [losses[0], losses[-1]]}
 
 
 def child(a) -> int:
@@ -256,17 +261,20 @@ def run_child(name: str, a) -> dict | None:
     res["wall_s"] = time.perf_counter() - t0
     res["tok_s"] = res["tokens"] / res["step_s"]
     res["tflops"] = res["tok_s"] * res["flops_per_token"] / 1e12
+    res["tflops_causal"] = res["tok_s"] * res["causal_flops_per_token"] / 1e12
     print(f"{name}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, peak {res['peak_gib']:.1f} GiB, "
           f"loss {res['losses'][0]:.3f} -> {res['losses'][1]:.3f} ({res['wall_s']:.0f} s)", flush=True)
     return res
 
 
 def tables(results: dict[str, dict]) -> str:
-    rows = ["| run | tok/s | TFLOP/s | MFU | peak GiB | vs peer |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| run | tok/s | TFLOP/s | TFLOP/s, Megatron's count | MFU | peak GiB | vs peer |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
         peer = results.get(f"{RUNS[name][1]}_peer")
         ratio = f"{r['tok_s'] / peer['tok_s']:.3f}x" if peer else "n/a"
-        rows.append(f"| {name} | {r['tok_s']:,.0f} | {r['tflops']:.0f} | {100 * r['tflops'] * 1e12 / PEAK:.1f}% | "
+        rows.append(f"| {name} | {r['tok_s']:,.0f} | {r['tflops']:.0f} | {r['tflops_causal']:.0f} | "
+                    f"{100 * r['tflops'] * 1e12 / PEAK:.1f}% | "
                     f"{r['peak_gib']:.1f} | {ratio} |")
     rows += ["", "ms per step of one traced step window (kernel time by category; idle: no kernel running)", "",
              "| run | step ms | " + " | ".join(COLUMNS) + " | GPU busy |",

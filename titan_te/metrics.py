@@ -37,27 +37,55 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     return rss, rss
 
 
+def causal_flops_per_token(args, seq_len: int) -> float:
+    """FLOPs per token by Megatron's count (causal attention halved), for comparing with its tables; a model
+    whose args do not split out attention counts as flops_per_token."""
+    attention = getattr(args, "attention_flops_per_token", None)
+    return args.flops_per_token(seq_len) - (0.5 * attention(seq_len) if attention else 0.0)
+
+
 def format_eta(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class DeviceValues:
-    """Scalars still on the device: copied to host memory without waiting; `get()` waits for the copy."""
+    """A step's scalars, still on the device, and the moment the step ended: copied to host memory without
+    waiting; `get()` waits for the copy.
 
-    def __init__(self, values: torch.Tensor):
+    The step's time is measured between step ends, never between the moments the host reads them (the host
+    reads a step's values late and at uneven points: after the next step is queued, before a save, at the
+    end of the loop). On a GPU the end is an event recorded after the step's last kernel, and the time
+    between two events is the wall time between the two step ends, idle gaps included; on the CPU the
+    step has ended when `train_step` returns."""
+
+    def __init__(self, values: torch.Tensor | None, device: torch.device):
         self.event = None
-        if values.device.type == "cuda":
-            self.host = values.detach().to("cpu", non_blocking=True)
-            self.event = torch.cuda.Event()
+        self.ended = time.perf_counter()
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
-        else:
+        self.host = None
+        if values is not None and device.type == "cuda":
+            self.host = values.detach().to("cpu", non_blocking=True)
+        elif values is not None:
             self.host = values.detach()
+
+    @classmethod
+    def start(cls, device: torch.device) -> "DeviceValues":
+        """The mark a loop's first step is timed from."""
+        return cls(None, device)
 
     def get(self) -> list[float]:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+    def seconds_since(self, earlier: "DeviceValues") -> float:
+        if self.event is not None and earlier.event is not None:
+            self.event.synchronize()
+            return earlier.event.elapsed_time(self.event) / 1e3
+        return self.ended - earlier.ended
 
 
 @dataclass
@@ -75,9 +103,10 @@ class StepStats:
 
 class MetricsLogger:
     def __init__(self, mcfg, run_folder: Path, device: torch.device, rank: int, flops_per_token: float,
-                 total_steps: int, start_step: int = 0):
+                 total_steps: int, start_step: int = 0, causal_flops_per_token: float | None = None):
         self.cfg, self.device, self.rank = mcfg, device, rank
         self.flops_per_token, self.total_steps = flops_per_token, total_steps
+        self.causal_flops_per_token = causal_flops_per_token or flops_per_token
         self.peak = peak_flops(device)
         self.writer = None
         self.tb_folder = run_folder / "tb" / ("" if mcfg.rank_0_only else f"rank_{rank}")
@@ -120,6 +149,7 @@ class MetricsLogger:
             "lr": s.lr,
             "throughput(tps)": tps,
             "tflops": tflops,
+            "tflops_causal": tps * self.causal_flops_per_token / 1e12,  # Megatron's count: causal attention halved
             "memory/max_active(GiB)": active,
             "memory/max_reserved(GiB)": reserved,
             "time/step_s": self._window_time / max(self._window_steps, 1),

@@ -34,7 +34,7 @@ from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
 from titan_te.loss import IGNORE_INDEX, token_loss_sum
-from titan_te.metrics import DeviceValues, MetricsLogger, StepStats, memory_gib
+from titan_te.metrics import DeviceValues, MetricsLogger, StepStats, causal_flops_per_token, memory_gib
 from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
@@ -240,7 +240,8 @@ class Trainer:
         # 8. metrics
         self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum * env.dp_world
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
-                                     self.model_args.flops_per_token(t.seq_len), t.steps, start_step=self.state.step)
+                                     self.model_args.flops_per_token(t.seq_len), t.steps, start_step=self.state.step,
+                                     causal_flops_per_token=causal_flops_per_token(self.model_args, t.seq_len))
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
         self.validator = None if val_source is None else Validator(
             cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
@@ -371,7 +372,7 @@ class Trainer:
         self._pending = None
         with SIGNALS.training() as preempt:
             self._data_iter = iter(self.dataloader)
-            self._last_done = time.perf_counter()
+            self._last_end = DeviceValues.start(self.device)
             while self.state.step < stop_at:
                 step = self.state.step + 1
                 self.profiler.step_begin(step)
@@ -394,7 +395,7 @@ class Trainer:
                 if self.data_position is not None:
                     self.data_position.advance(self.global_batch, self.dataloader.dataset.n_windows)
                 self._record_pending()  # the previous step's values: its GPU work is done by now
-                self._pending = (DeviceValues(values), step, lr, epoch, t_data)
+                self._pending = (DeviceValues(values, self.device), step, lr, epoch, t_data)
                 stop = preempt.requested_everywhere()
                 if self.checkpointer.due(step, stop):
                     self._record_pending()  # a step's log line and TensorBoard values land before its checkpoint
@@ -417,8 +418,7 @@ class Trainer:
         values, step, lr, epoch, t_data = self._pending
         self._pending = None
         loss, max_loss, gnorm = values.get()
-        now = time.perf_counter()
-        step_time, self._last_done = now - self._last_done, now
+        step_time, self._last_end = values.seconds_since(self._last_end), values
         self.losses.append(loss)
         self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr, self.tokens_per_step // self.env.dp_world,
                                       step_time, t_data, epoch))

@@ -47,9 +47,14 @@ class LlamaArgs:
         return self.n_layers * block + self.dim + emb + (emb if include_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x non-embedding params (incl. the output head) + attention."""
-        n = self.num_params(include_embedding=False)
-        return 6 * n + 12 * self.n_layers * self.dim * seq_len
+        """Training FLOPs per token: 6 x non-embedding params (incl. the output head) + attention, counted
+        over the whole score matrix (torchtitan's count)."""
+        return 6 * self.num_params(include_embedding=False) + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """The attention part of flops_per_token: QK^T and PV, forward and backward, every score counted.
+        Megatron's tables count causal attention as half of it."""
+        return 12 * self.n_layers * self.dim * seq_len
 
 
 FLAVORS = {
