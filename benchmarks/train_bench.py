@@ -3,6 +3,7 @@
     python benchmarks/train_bench.py                          # 1B and 8B: presets and peers
     python benchmarks/train_bench.py --runs 1b_fp8,1b_peer    # a subset
     python benchmarks/train_bench.py --runs 1b_fp8,1b_peer --n_layers 2 --steps 3   # a quick look
+    python benchmarks/train_bench.py --runs 8b_fp8,8b_peer --ngpu 8 --json bench.json  # and on 8 GPUs
 
 Every run is a fresh process (its own CUDA context and memory peak) at the preset's shapes: vocabulary
 128,256, seq 8192, batch 4 (1B) or 1 (8B). The presets run through the Trainer and its real training
@@ -226,14 +227,30 @@ def child(a) -> int:
 
             MODELS.get("llama3").fsdp_units = blocks
         result = child_peer(a, extra) if kind == "peer" else child_preset(a, extra)
-    print("RESULT " + json.dumps({"name": a.child, **result}), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps({"name": a.child, "gpus": int(os.environ.get("WORLD_SIZE", "1")), **result}),
+              flush=True)
     return 0
 
 
 # ------------------------------------------------------------------------------------------------
 # parent: one process per run, then the tables
 # ------------------------------------------------------------------------------------------------
-def run_child(name: str, a) -> dict | None:
+def _rank_env(env: dict, rank: int, world: int, port: int) -> dict:
+    return {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_child(name: str, a, gpus: int = 1) -> dict | None:
+    """One run in fresh processes: `gpus` ranks (NCCL, one GPU each) for the presets, one for the peer."""
     kind = RUNS[name][0]
     root = Path(a.before).resolve() if kind == "before" else ROOT
     env = dict(os.environ)
@@ -242,14 +259,21 @@ def run_child(name: str, a) -> dict | None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, f"--warmup={a.warmup}",
            f"--steps={a.steps}", f"--profile_steps={a.profile_steps}", f"--n_layers={a.n_layers}",
            f"--scratch={a.scratch}", f"--seq_len={a.seq_len}", f"--flavor={a.flavor}", *[f"--override={o}" for o in a.overrides]]
-    log = Path(a.log_dir) / f"{name}.log"
+    log = Path(a.log_dir) / f"{name}{f'-{gpus}gpu' if gpus > 1 else ''}.log"
     t0 = time.perf_counter()
+    port = _free_port()
     with open(log, "w") as f:
+        procs = [subprocess.Popen(cmd, cwd=root, env=_rank_env(env, r, gpus, port) if gpus > 1 else env,
+                                  stdout=f if r == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                 for r in range(gpus)]
         try:
-            r = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=a.timeout)
+            codes = [p.wait(timeout=a.timeout) for p in procs]
         except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
             print(f"{name}: timed out after {a.timeout} s (log {log})", flush=True)
             return None
+    r = subprocess.CompletedProcess(cmd, max(codes, key=abs))
     lines = [ln for ln in log.read_text().splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
         tail = log.read_text().strip().splitlines()[-3:]
@@ -259,7 +283,7 @@ def run_child(name: str, a) -> dict | None:
     print(f"{name}: the kernels taking most time per step\n" + "\n".join(top), flush=True)
     res = json.loads(lines[-1][len("RESULT "):])
     res["wall_s"] = time.perf_counter() - t0
-    res["tok_s"] = res["tokens"] / res["step_s"]
+    res["tok_s"] = res["tokens"] / res["step_s"] / res.get("gpus", 1)  # per GPU
     res["tflops"] = res["tok_s"] * res["flops_per_token"] / 1e12
     res["tflops_causal"] = res["tok_s"] * res["causal_flops_per_token"] / 1e12
     print(f"{name}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, peak {res['peak_gib']:.1f} GiB, "
@@ -302,6 +326,9 @@ def main() -> int:
     ap.add_argument("--scratch", default="", help="folder for run folders and traces (default: the temp dir)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--out", default="", help="also write the tables to this file")
+    ap.add_argument("--json", default="", help="also write every run's figures (the planner's --breakdown)")
+    ap.add_argument("--ngpu", type=int, default=1, help="also run the presets on this many GPUs (NCCL) and print "
+                                                        "tokens/s per GPU and the scaling efficiency against 1 GPU")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -322,10 +349,25 @@ def main() -> int:
         if res is not None:
             results[name] = res
     text = tables(results)
+    if a.ngpu > 1:  # the presets again on N GPUs (the peer stays a one-GPU reference)
+        scaled = {n: run_child(n, a, a.ngpu) for n in results if RUNS[n][0] != "peer"}
+        text += "\n\n" + scaling_table(results, scaled, a.ngpu)
+        results.update({f"{n}@{a.ngpu}gpu": r for n, r in scaled.items() if r is not None})
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
-    return 0 if len(results) == len(a.runs.split(",")) else 1
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if len(results) >= len(a.runs.split(",")) else 1
+
+
+def scaling_table(one: dict, many: dict, gpus: int) -> str:
+    rows = [f"tokens/s per GPU on 1 and {gpus} GPUs (NCCL; each GPU at the preset's batch)", "",
+            f"| run | 1 GPU | {gpus} GPUs | scaling efficiency |", "| --- | ---: | ---: | ---: |"]
+    for name, r in many.items():
+        got = f"{r['tok_s']:,.0f} | {r['tok_s'] / one[name]['tok_s']:.1%}" if r else "failed | n/a"
+        rows.append(f"| {name} | {one[name]['tok_s']:,.0f} | {got} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -27,3 +27,26 @@ def test_breakdown_sorts_kernels_into_categories_and_counts_idle_once(tmp_path):
     assert parts["cast/transpose"] == 0.005
     assert parts["idle"] == (200 - 80) / 2 / 1e3  # busy: 0-50, 60-90 (the overlap counted once)
     assert parts["busy_pct"] == 40.0
+
+
+def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_path):
+    """--ngpu N starts N ranks of the preset run (NCCL on GPUs; here gloo on the CPU, so only the mechanics
+    are checked: every rank runs, rank 0 reports, tokens/s is per GPU, the JSON feeds the planner)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "bench.json"
+    cpu = ["--model.backend=torch", "--fp8.enable=false", "--fp8.params=false", "--fp8.head=off",
+           "--training.device=cpu", "--optimizer.name=adamw", "--training.local_batch_size=2"]
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/train_bench.py"), "--runs", "1b_fp8", "--flavor", "debug",
+                        "--n_layers", "1", "--seq_len", "64", "--warmup", "1", "--steps", "2", "--profile_steps", "1",
+                        "--ngpu", "2", "--json", str(out), *[f"--override={o}" for o in cpu]],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "| run | 1 GPU | 2 GPUs | scaling efficiency |" in r.stdout
+    runs = json.loads(out.read_text())
+    assert runs["1b_fp8"]["gpus"] == 1 and runs["1b_fp8@2gpu"]["gpus"] == 2
+    assert runs["1b_fp8@2gpu"]["tokens"] == 2 * runs["1b_fp8"]["tokens"]  # the preset's batch on every GPU

@@ -1,0 +1,92 @@
+"""The planner: memory, checkpoint and communication per rank for machines that are not here, checked
+against what was measured where it could be."""
+import json
+import os
+
+import pytest
+
+from helpers import make_cfg
+
+GiB = 2**30
+# Peak allocated memory of the FP8 presets on one H200 (benchmarks/train_bench.py, 2026-12-04, the README's
+# speed table): the planner's estimate must lie within 10% of them.
+MEASURED_PEAK_GIB = {"llama3_1b_fp8": 51.5, "llama_fp8": 110.5}
+MEASURED_1B_CHECKPOINT_GB = 13.0  # one save of the 1B preset on the H200 (README, checkpoints)
+
+
+def _plan(preset: str, ngpu: int = 1, **overrides):
+    from titan_te import config as config_mod
+    from titan_te.plan import make_plan
+
+    argv = [f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()]
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(ngpu)
+    try:
+        cfg, _ = config_mod.load(argv, hardware=False)
+    finally:
+        os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
+    return make_plan(cfg, ngpu, 1, "H200", vocab=258)
+
+
+@pytest.mark.parametrize("preset", list(MEASURED_PEAK_GIB))
+def test_the_memory_estimate_is_within_10_percent_of_the_measured_presets(preset):
+    plan = _plan(preset)
+    est, measured = plan.peak["none"] / GiB, MEASURED_PEAK_GIB[preset]
+    print(f"{preset}: estimate {est:.1f} GiB, measured {measured} GiB ({est / measured - 1:+.1%})")
+    assert abs(est / measured - 1) <= 0.10
+
+
+def test_the_checkpoint_estimate_matches_the_measured_1b_save():
+    assert _plan("llama3_1b_fp8").checkpoint_bytes / 1e9 == pytest.approx(MEASURED_1B_CHECKPOINT_GB, rel=0.02)
+
+
+def test_the_checkpoint_estimate_matches_a_real_save_on_the_cpu(tmp_path):
+    """The planner's size of one save against a real DCP folder of the same (debug) run."""
+    from titan_te.checkpoint import complete_steps
+    from titan_te.checkpoint.folder import folder_bytes
+    from titan_te.data.tokenizers import ByteTokenizer
+    from titan_te.plan import make_plan
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, training={"steps": 1}, checkpoint={"enable": True})
+    with Trainer(cfg) as tr:
+        tr.train()
+    ck = tmp_path / "t/checkpoint"
+    real = folder_bytes(ck / f"step-{complete_steps(ck)[-1]}")
+    est = make_plan(cfg, 1, 1, "H200", ByteTokenizer.vocab_size).checkpoint_bytes
+    assert est == pytest.approx(real, rel=0.02), (est, real)
+
+
+def test_llama_70b_on_one_8_gpu_h200_node_needs_full_activation_checkpointing():
+    """The README's example: Llama 3 70B, FP8 weights and bf16 moments, one node of 8 H200s."""
+    plan = _plan("llama_fp8", ngpu=8, **{"model.flavor": "70B"})
+    assert plan.fits == {"none": False, "every_n": False, "full": True}
+    assert plan.gather_bytes > 0 and plan.scatter_bytes > plan.gather_bytes  # FP32 gradients, FP8 weights
+    assert 500 < plan.tokens_per_s["overlap"] < 5000
+
+
+def test_a_measured_breakdown_sets_the_compute_time(tmp_path, capsys):
+    from titan_te.plan import main
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"8b_fp8": {"step_s": 0.573, "tokens": 8192, "gpus": 1,
+                                            "parts": {"optimizer": 53.2}}}))
+    assert main(["--config", "llama_fp8", "--ngpu", "8", "--breakdown", str(bench)]) == 0
+    out = capsys.readouterr().out
+    # 519.8 ms of the step scale with the rank's tokens (the same batch), the optimizer's 53 ms with 1/8 shard
+    assert "compute / step                526 ms (measured breakdown)" in out, out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--ngpu", "0"], "plan error: --ngpu and --nnodes must be >= 1"),
+    (["--ngpu", "3", "--config", "llama_fp8", "--training.global_batch_size=4"],
+     "plan error: training.global_batch_size = 4 is not divisible"),
+    (["--gpu", "H300"], "plan error: argument --gpu: invalid choice"),
+    (["--breakdown", "/nonexistent.json"], "plan error: --breakdown /nonexistent.json"),
+])
+def test_planner_mistakes_are_one_line(argv, fragment, capsys):
+    from titan_te.plan import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(fragment), err

@@ -1,0 +1,249 @@
+"""A planner for the machines you do not have: memory, checkpoint, communication and speed per rank.
+
+    python -m titan_te.plan --config llama_fp8 --ngpu 8 [--nnodes 1] [--gpu H200] [--breakdown bench.json]
+                            [--section.key=value ...]
+
+Needs no GPU: the model is built on the meta device with the torch backend, whose parameters have the
+same names and shapes as the te backend's. Per rank it prints the parameters, weight bytes by kind
+(FP8 / bf16 / FP32), gradients, optimizer state, activations for each activation-checkpoint mode, the
+transient buffers of FSDP's gathers, the peak estimate against the GPU's memory, one checkpoint's
+size, and the bytes FSDP all-gathers and reduce-scatters per step. The step time is a measured
+single-GPU step (`benchmarks/train_bench.py --json`) scaled to the rank's batch, plus communication at
+the stated link bandwidths, with and without overlap; without a measurement, FLOPs at an assumed MFU.
+
+What it cannot know: allocator fragmentation and caching (peaks are of allocated memory), kernels'
+workspaces beyond a fixed allowance, NCCL's buffers, how well communication really overlaps, links
+slower than stated, stragglers. The README compares its estimates with measured runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2**30
+# GPU memory (bytes, as torch reports total_memory) and dense bf16 peak FLOP/s
+GPUS = {"H200": (143_771 * 2**20, 989e12), "H100": (81_559 * 2**20, 989e12), "B200": (183_359 * 2**20, 2250e12),
+        "A100": (81_920 * 2**20, 312e12)}
+NVLINK_GBS, IB_GBS = 450.0, 50.0  # per GPU, one direction: NVLink 4 (H100/H200), 400 Gb/s InfiniBand NDR
+WORKSPACE = 2 * GiB  # CUDA context, cuBLAS / cuDNN / TE workspaces: a fixed allowance
+ASSUMED_MFU = 0.75  # without a measured breakdown (the FP8 presets measured 79-84% on one H200)
+CHUNK_LOGITS_BYTES = GiB  # the fused head's bf16 logits of one chunk (loss.CHUNK_LOGITS x 2 bytes, Triton path)
+AC_MODES = ("none", "every_n", "full")
+
+
+@dataclass
+class Plan:
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    peak: dict[str, float] = field(default_factory=dict)  # activation-checkpoint mode -> bytes per rank
+    fits: dict[str, bool] = field(default_factory=dict)
+    checkpoint_bytes: float = 0.0
+    gather_bytes: float = 0.0
+    scatter_bytes: float = 0.0
+    step_s: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+
+def activation_bytes_per_token_layer(args, fp8: bool) -> float:
+    """Bytes one block keeps per token for its backward (no recomputation), from what a TE block saves:
+    both norms' inputs (bf16), their outputs (FP8 with FP8 GEMMs, else bf16), q, k, v and the attention
+    output (bf16, flash attention: no score matrix), the output projection's input (FP8 copy), the MLP's
+    pre-activation (2 x ffn, bf16) and its activation output (FP8 or bf16). Models whose args give
+    `activation_bytes_per_token` answer for themselves."""
+    own = getattr(args, "activation_bytes_per_token", None)
+    if own is not None:
+        return own(fp8)
+    d, f = args.dim, args.ffn_dim
+    kv = args.n_kv_heads * args.head_dim
+    low = 1 if fp8 else 2
+    return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + low * d + 4 * f + low * f
+
+
+def _model(cfg, vocab: int):
+    import torch
+
+    from titan_te.data.tokenizers import padded_vocab
+    from titan_te.models import MODELS
+
+    spec = MODELS.get(cfg.model.name)
+    args = spec.resolve_args(cfg.model.flavor, padded_vocab(vocab), cfg.training.seq_len, cfg.model.n_layers)
+    with torch.device("meta"):
+        model = spec.build(args, "torch")
+    return spec, args, model
+
+
+def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
+    """With fp8.params, the 2-D weights of the blocks are FP8 (but those of fp8.bf16_layers)."""
+    if not (cfg.fp8.enable and cfg.fp8.params) or p.ndim != 2 or not name.startswith("layers."):
+        return False
+    return int(name.split(".")[1]) not in {i % n_layers for i in cfg.fp8.bf16_layers}
+
+
+def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
+              breakdown: dict | None = None) -> Plan:
+    from titan_te import config as config_mod
+    from titan_te.optim import OPTIMIZERS
+
+    world = ngpu * nnodes
+    rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
+    parallel = cfg.parallelism.data_parallel
+    if world == 1 and cfg.parallelism.unsharded_one_rank:
+        parallel = "none"
+    sharded = parallel in ("fsdp", "hsdp")
+    div = shard if sharded else 1
+    spec, args, model = _model(cfg, vocab)
+    params = dict(model.named_parameters())
+    fp8 = {n for n, p in params.items() if _is_fp8(n, p, cfg, args.n_layers)}
+    n_fp8 = sum(params[n].numel() for n in fp8)
+    n_other = sum(p.numel() for n, p in params.items() if n not in fp8)
+    opt = OPTIMIZERS.get(cfg.optimizer.name)
+    weights = (n_fp8 * 1 + n_other * 4) / div
+    grads = (n_fp8 + n_other) * 4 / div
+    state = (n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)) / div
+    # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
+    # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
+    units = [u if isinstance(u, list) else [u] for u in spec.fsdp_units(model)]
+    names = {id(p): n for n, p in params.items()}
+    unit_bytes = [sum(p.numel() * (1 if names[id(p)] in fp8 else 2) for m in u for p in m.parameters()) for u in units]
+    unit_grads = [sum(p.numel() * 2 for m in u for p in m.parameters()) for u in units]
+    transient = (2 * max(unit_bytes) + 2 * max(unit_grads)) if sharded and div > 1 else 0
+    t = cfg.training
+    tokens = t.local_batch_size * t.seq_len  # one micro-batch
+    fp8_gemms = cfg.fp8.enable
+    per_layer = activation_bytes_per_token_layer(args, fp8_gemms) * tokens
+    layer_input = 2 * args.dim * tokens
+    acts = {"none": args.n_layers * per_layer,
+            "every_n": (args.n_layers - args.n_layers // cfg.activation_checkpoint.every_n) * per_layer
+            + (args.n_layers // cfg.activation_checkpoint.every_n) * layer_input + per_layer,
+            "full": args.n_layers * layer_input + per_layer}
+    vocab_rows = getattr(args, "vocab_size", vocab)
+    if cfg.model.fused_loss and spec.computes_loss:  # one chunk of bf16 logits, the hidden states' and the
+        head = min(CHUNK_LOGITS_BYTES, tokens * vocab_rows * 2) + tokens * args.dim * 2 + vocab_rows * args.dim * 4
+    else:  # weight's FP32 gradient, kept from the forward (loss.py); else FP32 logits, their gradient, bf16 twin
+        head = tokens * vocab_rows * (4 + 4 + 2)
+    plan = Plan()
+    memory, peak_flops = GPUS[gpu]
+    block_grads = max(unit_grads) * 2 / div if unit_grads else 0  # FP32, sharded
+    for mode in AC_MODES:
+        # the peak is at the start of the backward (every activation, the head's buffers, the first unit's
+        # gradients) or in the optimizer step (every gradient, no activation): gradients replace activations
+        # block by block as the backward goes
+        plan.peak[mode] = weights + state + transient + WORKSPACE + max(acts[mode] + head + block_grads, grads)
+        plan.fits[mode] = plan.peak[mode] <= memory
+    # checkpoint: weights as stored (FP8 1 byte, others FP32) + optimizer state (what DCP writes)
+    plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + (n_fp8 * opt.state_bytes(cfg.optimizer, True)
+                                                         + n_other * opt.state_bytes(cfg.optimizer, False))
+    # communication per rank per step: FSDP gathers every unit in the forward and again in the backward
+    # (reshard_after_forward) and reduce-scatters FP32 gradients once; (shard-1)/shard of each travels
+    gathers = 2 if cfg.parallelism.reshard_after_forward else 1
+    full_bf16 = n_fp8 * 1 + n_other * 2
+    if sharded and div > 1:
+        plan.gather_bytes = gathers * full_bf16 * (div - 1) / div
+        plan.scatter_bytes = (n_fp8 + n_other) * 4 * (div - 1) / div
+    replicate_bytes = 0.0
+    if rep > 1 or parallel == "ddp":  # an all-reduce of the (sharded) FP32 gradients over the replicas
+        group = rep if rep > 1 else world
+        replicate_bytes = 2 * (n_fp8 + n_other) * 4 / div * (group - 1) / group
+    intra = ngpu >= div  # the shard group on one node: NVLink, else InfiniBand bounds the ring
+    comm_s = (plan.gather_bytes + plan.scatter_bytes) / ((nvlink if intra and nnodes == 1 or div <= ngpu else ib) * 1e9)
+    comm_s += replicate_bytes / ((ib if nnodes > 1 else nvlink) * 1e9)
+    grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
+    step_tokens = tokens * grad_accum
+    # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
+    mode = cfg.activation_checkpoint.mode
+    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / cfg.activation_checkpoint.every_n}[mode]
+    compute_s = _compute_s(breakdown, step_tokens, args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
+    exposed = (max(unit_bytes) / ((nvlink if div <= ngpu else ib) * 1e9)) if sharded and div > 1 else 0.0
+    plan.step_s = {"no overlap": compute_s + comm_s, "overlap": max(compute_s, comm_s) + exposed}
+    plan.tokens_per_s = {k: step_tokens / v for k, v in plan.step_s.items()}
+    plan.rows = [
+        ("world", f"{world} ranks ({nnodes} node(s) x {ngpu}); {parallel}, replicate {rep} x shard {shard}"),
+        ("parameters", f"{(n_fp8 + n_other) / 1e9:,.2f} B ({n_fp8 / 1e9:,.2f} B in FP8, {n_other / 1e9:,.2f} B "
+                       f"higher precision)"),
+        ("weights / rank", f"{_gib(weights)} (FP8 {_gib(n_fp8 / div)}, FP32 {_gib(n_other * 4 / div)})"),
+        ("gradients / rank", _gib(grads)),
+        ("optimizer state / rank", f"{_gib(state)} ({cfg.optimizer.name}, moments {cfg.optimizer.moment_dtype})"),
+        ("FSDP gathers in flight", _gib(transient)),
+        ("output head", _gib(head)),
+        ("workspaces (allowance)", _gib(WORKSPACE)),
+        *[(f"activations, AC {m}", _gib(acts[m])) for m in AC_MODES],
+        *[(f"peak / rank, AC {m}", f"{_gib(plan.peak[m])} of {_gib(memory)} on a {gpu}: "
+                                   f"{'fits' if plan.fits[m] else 'does NOT fit'}") for m in AC_MODES],
+        ("activation checkpointing", f"{mode} (configured); the lightest that fits: "
+                                     f"{next((m for m in AC_MODES if plan.fits[m]), 'none of them')}"),
+        ("one checkpoint", f"{plan.checkpoint_bytes / 1e9:,.1f} GB ({plan.checkpoint_bytes / world / 1e9:,.2f} GB "
+                           f"per rank)"),
+        ("all-gather / rank / step", f"{plan.gather_bytes / 1e9:,.2f} GB"),
+        ("reduce-scatter / rank / step", f"{plan.scatter_bytes / 1e9:,.2f} GB"),
+        ("replica all-reduce / step", f"{replicate_bytes / 1e9:,.2f} GB"),
+        ("compute / step", f"{compute_s * 1e3:,.0f} ms ({'measured breakdown' if breakdown else f'FLOPs at {ASSUMED_MFU:.0%} MFU'}"
+                           f"{f', AC {mode} recomputes' if recomputed else ''})"),
+        ("communication / step", f"{comm_s * 1e3:,.0f} ms (NVLink {nvlink:g} GB/s, InfiniBand {ib:g} GB/s per GPU)"),
+        *[(f"step, {k}", f"{v * 1e3:,.0f} ms = {plan.tokens_per_s[k]:,.0f} tokens/s per GPU")
+          for k, v in plan.step_s.items()],
+    ]
+    return plan
+
+
+def _compute_s(breakdown: dict | None, step_tokens: int, args, seq_len: int, peak: float, shard: int) -> float:
+    """A measured one-GPU step (ms by category) scaled to this rank's tokens, its optimizer to its shard."""
+    if breakdown:
+        parts, tokens = breakdown["parts"], breakdown["tokens"] / breakdown.get("gpus", 1)  # one GPU's tokens
+        optimizer_s = parts.get("optimizer", 0.0) / 1e3
+        other_s = breakdown["step_s"] - optimizer_s
+        return other_s * step_tokens / tokens + optimizer_s / shard
+    return step_tokens * args.flops_per_token(seq_len) / (ASSUMED_MFU * peak)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.1f} GiB"
+
+
+def render(plan: Plan) -> str:
+    width = max(len(k) for k, _ in plan.rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in plan.rows) + "\n"
+
+
+def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
+    from titan_te.tool_cli import run_tool
+
+    return run_tool("plan error", lambda: _main(sys.argv[1:] if argv is None else argv), exits_after)
+
+
+def _main(argv: list[str]) -> int:
+    from titan_te import config as config_mod
+    from titan_te.data import TOKENIZERS
+    from titan_te.tool_cli import OneLineParser, UsageError
+
+    ap = OneLineParser(prog="python -m titan_te.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="a TOML file or preset name (as train.py)")
+    ap.add_argument("--ngpu", type=int, default=8, help="GPUs per node")
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--gpu", default="H200", choices=sorted(GPUS))
+    ap.add_argument("--nvlink_gbs", type=float, default=NVLINK_GBS, help="GB/s per GPU and direction in a node")
+    ap.add_argument("--ib_gbs", type=float, default=IB_GBS, help="GB/s per GPU and direction between nodes")
+    ap.add_argument("--breakdown", default="", help="a run of benchmarks/train_bench.py --json (its step)")
+    ap.add_argument("--breakdown_run", default="", help="which run of that file (default: the first)")
+    a, overrides = ap.parse_known_args(argv)
+    if a.ngpu < 1 or a.nnodes < 1:
+        raise UsageError("--ngpu and --nnodes must be >= 1")
+    import os
+
+    os.environ["WORLD_SIZE"] = str(a.ngpu * a.nnodes)  # validation checks the batch against this world
+    cfg, _ = config_mod.load(([f"--config={a.config}"] if a.config else []) + overrides, hardware=False)
+    breakdown = None
+    if a.breakdown:
+        try:
+            runs = json.loads(Path(a.breakdown).read_text())
+            breakdown = runs[a.breakdown_run] if a.breakdown_run else next(iter(runs.values()))
+        except (OSError, ValueError, KeyError, StopIteration) as e:
+            raise UsageError(f"--breakdown {a.breakdown}: not a train_bench --json file with that run ({e})") from None
+    vocab = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data).vocab_size
+    sys.stdout.write(render(make_plan(cfg, a.ngpu, a.nnodes, a.gpu, vocab, a.nvlink_gbs, a.ib_gbs, breakdown)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(exits_after=True))
