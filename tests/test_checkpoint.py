@@ -474,3 +474,34 @@ def test_summaries_name_the_data_and_split_this_process_from_the_run(tmp_path):
     done = [line for line in log.splitlines() if "done: " in line]
     assert "done: step 4 of 4, 512 tokens in the whole run; this process: 4 steps, 512 tokens" in done[0]
     assert "done: step 6 of 6, 768 tokens in the whole run; this process: 2 steps, 256 tokens" in done[1]
+
+
+def _old_layout_then_resume(rank, world, tmp):
+    """Save with the per-rank loader state of titan_te before the global data position, then resume."""
+    from titan_te.checkpoint.parts import DataLoaderPart
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(_cfg(tmp, world, training={"steps": 4}))
+    tr.checkpointer.parts["dataloader"] = DataLoaderPart(tr.dataloader, rank, None)  # the old, per-rank layout
+    tr.train()
+    tr.close()
+    tr = Trainer(_cfg(tmp, world, training={"steps": 6}))
+    start, losses = tr.state.step, tr.train()
+    tr.close()
+    return start, losses
+
+
+def test_a_checkpoint_with_the_old_per_rank_loader_state_resumes_with_a_new_data_order(tmp_path, caplog):
+    start, losses = run_ranks(_old_layout_then_resume, 1, str(tmp_path))[0]
+    assert start == 4 and len(losses) == 2
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert "holds the data loader's position in an older layout; the data order starts afresh" in log
+
+
+def test_a_changed_sequence_length_restarts_the_data_order_with_a_warning(tmp_path):
+    run_ranks(_run, 1, str(tmp_path), "disabled", 5, {})
+    start, losses = run_ranks(_run, 1, str(tmp_path), "disabled", 7, {"training": {"seq_len": 64}})[0]
+    assert start == 5 and len(losses) == 2
+    log = (tmp_path / "t/logs/rank0.log").read_text()
+    assert "the order of the data changed since the checkpoint (windows" in log and "seq_len 32 -> 64" in log
+    assert "training goes on from the start of epoch 1 in the new order" in log

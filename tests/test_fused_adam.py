@@ -141,3 +141,24 @@ def test_clipping_inside_the_step_equals_a_clipping_pass_before_it():
         assert norms[0] == norms[1] and norms[0] > 0.5
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_broken_transformer_engine_is_one_line_not_a_silent_slow_path(tmp_path, monkeypatch):
+    """fused_adam used to fall back to torch's math whenever importing TE raised anything; an installed but
+    broken TE (a wrong CUDA build) is now the user's one line, a missing one a warning."""
+    import sys
+
+    import torch
+
+    from titan_te.errors import ConfigError
+    from titan_te.optim import fused_adam
+
+    fake = tmp_path / "transformer_engine"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for mod in [m for m in sys.modules if m.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="Transformer Engine is installed but cannot be loaded .OSError: libcudart"):
+        fused_adam._te_kernels()

@@ -1089,3 +1089,34 @@ def test_a_disk_that_fills_up_keeps_the_last_good_checkpoint_and_the_final_save_
     assert "checkpoint save at step 6 into" in out and "training continues (1 of at most 3" in out
     assert complete_steps(disk / "ck") == [2, 4]
     assert sorted(p.name for p in (disk / "ck").iterdir()) == [".lock", "step-2", "step-4"]  # no .tmp left
+
+
+# --- round 2: cases of our own -----------------------------------------------------------------------------
+def test_export_refuses_an_interrupted_save_and_a_manifest_that_is_not_ours(run, capsys, tmp_path):
+    ck = run / "debug/checkpoint"
+    shutil.copytree(ck / "step-4", ck / "step-6.tmp")
+    (ck / "step-6.tmp/titan_te.json").unlink()  # a save interrupted before its manifest was written
+    _export(["--checkpoint", str(ck / "step-6.tmp"), "--out", str(tmp_path / "hf")], capsys,
+            "is not a complete titan_te checkpoint (no readable titan_te.json")
+    _set_manifest(ck / "step-4", files={"__0_0.distcp": "not a checksum"})
+    _export(["--checkpoint", str(ck / "step-4"), "--out", str(tmp_path / "hf")], capsys,
+            "is not a complete titan_te checkpoint")
+
+
+def test_a_run_whose_disk_fills_with_its_own_logs_goes_on_and_says_so(capsys, tmp_path, small_disk):
+    """TensorBoard events and the run's log on a disk that fills up mid-run: each is dropped with one warning,
+    training finishes (exit 0), the console keeps every step."""
+    import subprocess
+    import sys
+
+    disk = small_disk("1m")
+    free = shutil.disk_usage(disk).free
+    (disk / "filler").write_bytes(b"x" * (free - 48 * 1024))  # room for the start-up files and a few steps
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *SMALL[:2], "--metrics.log_freq=1",
+                        "--training.steps=150", "--metrics.enable_tensorboard=true", f"--job.dump_folder={disk}"],
+                       capture_output=True, text=True, timeout=300)
+    out, err = r.stdout, r.stderr
+    assert r.returncode == 0 and err == "", err  # no writer thread's traceback either
+    assert "TensorBoard events cannot be written to" in out and "No space left on device" in out
+    assert "the run's log file" in out and "its lines go to the console only from now on" in out
+    assert "step    150" in out and "done: step 150 of 150" in out

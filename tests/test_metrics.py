@@ -161,3 +161,12 @@ def test_every_logged_throughput_window_is_true_on_the_gpu(tmp_path):
     for step, logged, wall in windows:
         print(f"window ending at step {step}: logged {logged:,.0f} tok/s, tokens / wall {wall:,.0f}")
         assert logged == pytest.approx(wall, rel=0.02), (step, logged, wall)
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                        ("NVIDIA GB200", 2500e12), ("NVIDIA B200", 2250e12), ("NVIDIA L40S", 362e12),
+                                        ("NVIDIA L4", 121e12), ("Tesla V100-SXM2-16GB", None)])
+def test_the_peak_flops_of_a_gpu_name_is_its_own_not_a_substrings(name, peak):
+    from titan_te.metrics import peak_for_name
+
+    assert peak_for_name(name) == peak

@@ -265,3 +265,10 @@ def test_hsdp_and_ddp_train_fp8_on_shared_ranks(ngpu, parallel, tmp_path):
     losses = [float(v) for _, v in LOSS.findall(r.stdout)]
     print(parallel, losses)
     assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+def test_more_ranks_than_gpus_without_the_sharing_mode_is_one_line(tmp_path):
+    env = {k: v for k, v in _env(2).items() if k != SHARE}
+    r = subprocess.run(_args(tmp_path, 2), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert r.stderr.startswith(f"config error: NGPU=2, but this node has {torch.cuda.device_count()} visible GPU")

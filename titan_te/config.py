@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python < 3.11
-    import tomli as tomllib  # type: ignore[no-redef]
+import tomllib
 
 
 from titan_te.errors import ConfigError
@@ -149,8 +146,8 @@ class Parallelism:
     data_parallel_replicate_degree: int = opt(1, "replicas of the sharded model (hsdp)")
     reshard_after_forward: bool = opt(True, "free gathered parameters after forward (ZeRO-3); false is ZeRO-2")
     unsharded_one_rank: bool = opt(False, "fsdp / hsdp on a single rank: train without FSDP, under torch.autocast "
-                                          "(no parameter and gradient copies: about 7% of an 8B FP8 step on one "
-                                          "H200); checkpoints load into either layout; the FP8 presets set it")
+                                          "(no parameter and gradient copies; the README gives what it saves); "
+                                          "checkpoints load into either layout; the FP8 presets set it")
     comm_timeout_s: int = opt(1800, "seconds a collective may wait for the other ranks before the run fails", bounds=Bounds(1, WEEK_S))
     rendezvous_timeout_s: int = opt(300, "seconds rank 0 waits at start-up for every rank (node) to join; then one "
                                          "line names the ones that did not", bounds=Bounds(1, WEEK_S))

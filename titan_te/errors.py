@@ -6,6 +6,8 @@ titan_te and keeps its traceback (exit code 1).
 from __future__ import annotations
 
 import sys
+import threading
+from typing import Callable
 
 
 class UserError(Exception):
@@ -98,3 +100,21 @@ def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     except OSError:
         pass
+
+
+_QUIET: list[Callable] = []
+
+
+def quiet_thread_failures(predicate: Callable[[threading.Thread | None, BaseException], bool]) -> None:
+    """Failures of library threads that the main thread reports in its own one line (a DCP writer thread or
+    TensorBoard's writer thread on a full disk): Python would print their traceback on stderr too."""
+    if not _QUIET:
+        default = threading.excepthook
+
+        def hook(args):
+            if args.exc_value is not None and any(q(args.thread, args.exc_value) for q in _QUIET):
+                return
+            default(args)
+
+        threading.excepthook = hook
+    _QUIET.append(predicate)

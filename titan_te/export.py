@@ -7,6 +7,11 @@ checkpoint holds them (FP8 / BF16 weights with masters), else the model weights.
 """
 from __future__ import annotations
 
+from titan_te.preemption import SIGNALS
+
+if __name__ == "__main__":
+    SIGNALS.install_early()  # before the imports below: a Ctrl-C while they load is one line too
+
 import importlib
 import json
 import os
@@ -23,13 +28,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_te import config as config_mod
 from titan_te.checkpoint import integrity
 from titan_te.checkpoint.errors import describe, is_unreadable_data
-from titan_te.checkpoint.folder import Manifest, complete_steps, step_dir
+from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
 from titan_te.errors import ExportError
 from titan_te.hf_io import save_hf_folder
 from titan_te.models import MODELS
 from titan_te.paths import check_path
-from titan_te.preemption import SIGNALS
 from titan_te.registry import RegistryError
 from titan_te.run_folder import why
 from titan_te.tool_cli import OneLineParser, run_tool, stderr_is_clean
@@ -148,6 +152,9 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
     replaced whole), so a failure or a stop leaves `out` as it was."""
     if not (ckpt / ".metadata").is_file():
         raise ExportError(_not_a_checkpoint(ckpt))
+    if Manifest.read(ckpt) is None:
+        raise ExportError(f"{ckpt} is not a complete titan_te checkpoint (no readable {MANIFEST}: an interrupted "
+                          f"save, or another tool's DCP folder)")
     replacing = _check_out(out)
     try:
         manifest = Manifest.read(ckpt)

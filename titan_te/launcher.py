@@ -33,6 +33,7 @@ from titan_te.preemption import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "train_configs" / "debug.toml"
+READY_FD, LAUNCHER_PID = "TITAN_TE_READY_FD", "TITAN_TE_LAUNCHER_PID"  # how a worker tells it is ready
 GRACE_S = 30.0  # after one worker fails, how long the others may take to stop on their own
 TERM_S = 60.0  # then, after SIGTERM, how long before they are killed
 PR_SET_PDEATHSIG = 1
@@ -79,7 +80,11 @@ class Plan:
     """Who runs where, from the environment; every mistake is a ConfigError before anything starts."""
 
     def __init__(self, env=os.environ):
-        self.nproc = _int_env("NGPU", 0, 1) or max(_visible_gpus(), 1)
+        visible = _visible_gpus()
+        self.nproc = _int_env("NGPU", 0, 1) or max(visible, 1)
+        if 0 < visible < self.nproc and env.get("TITAN_TE_SHARE_GPU", "").strip() != "1":
+            raise ConfigError(f"NGPU={self.nproc}, but this node has {visible} visible GPU(s): one process per GPU "
+                              f"(TITAN_TE_SHARE_GPU=1 runs several ranks on one GPU, a testing mode)")
         self.nnodes = _int_env("NNODES", 1, 1)
         self.node_rank = _int_env("NODE_RANK", 0, 0)
         if self.node_rank >= self.nnodes:
@@ -111,8 +116,13 @@ class Plan:
                 "LOG_RANK": ",".join(map(str, sorted(self.log_ranks))), "PYTHONUNBUFFERED": "1"}
 
 
-def _die_with_parent(parent: int):
+def _worker_preexec(parent: int):
+    """In the child before exec: stop signals ignored until train.py's handlers are in place (a signal that
+    came while Python starts up would kill it with a traceback; the launcher holds it back until the worker
+    says it is ready), and SIGTERM from the kernel when the launcher dies."""
     def preexec():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the launcher died before prctl took effect
@@ -127,12 +137,48 @@ class Worker:
         self.shown = self.rank in plan.log_ranks
         self.tail: collections.deque = collections.deque(maxlen=20)
         out = None if self.shown else subprocess.PIPE
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], env=plan.worker_env(local_rank),
-                                     stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     preexec_fn=_die_with_parent(os.getpid()))
+        ready_r, ready_w = os.pipe()
+        env = {**plan.worker_env(local_rank), READY_FD: str(ready_w), LAUNCHER_PID: str(os.getpid())}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], env=env,
+                                     stdout=out, stderr=subprocess.STDOUT if out else None, pass_fds=(ready_w,),
+                                     preexec_fn=_worker_preexec(os.getpid()))
+        os.close(ready_w)
+        os.set_blocking(ready_r, False)
+        self._ready_fd: int | None = ready_r
+        self.pending: list[int] = []  # signals held back until the worker's handlers are in place
         self.code: int | None = None
         self.ended_at = 0.0
         self.killed = False  # stopped by the launcher after another worker failed
+
+    def ready(self) -> bool:
+        """Whether train.py has its signal handlers in place (it wrote to the pipe, or closed it by exiting)."""
+        if self._ready_fd is None:
+            return True
+        try:
+            os.read(self._ready_fd, 1)  # a byte, or b"" once the worker has exited
+        except BlockingIOError:
+            return False
+        os.close(self._ready_fd)
+        self._ready_fd = None
+        return True
+
+    def signal(self, signum: int) -> None:
+        """Forward a stop signal now, or once the worker is ready for it."""
+        if self.code is not None or self.proc.poll() is not None:
+            return
+        if not self.ready():
+            self.pending.append(signum)
+            return
+        try:
+            os.kill(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def deliver_pending(self) -> None:
+        if self.pending and self.ready():
+            for signum in self.pending[:1]:  # repeats of one request are one request
+                self.signal(signum)
+            self.pending.clear()
 
     def start_reader(self) -> None:
         if self.shown:
@@ -169,11 +215,7 @@ def run(argv: list[str]) -> int:
     def forward(signum, _frame):
         received.append(signum)
         for w in workers:
-            if w.code is None and w.proc.poll() is None:
-                try:
-                    os.kill(w.proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+            w.signal(signum)
 
     for s in STOP_SIGNALS:  # first: a signal before the workers exist is one line, not a traceback
         signal.signal(s, forward)
@@ -187,12 +229,17 @@ def run(argv: list[str]) -> int:
     if received and not workers:
         say(f"interrupted: {signal.Signals(received[0]).name} before the workers started; nothing was run")
         return 128 + received[0]
+    if received:  # it came while they were being started: whoever is up stops too (a repeat is one request)
+        for w in workers:
+            w.signal(received[0])
     for w in workers:
         w.start_reader()
     first_failure = None
     termed = False
     while not all(w.poll() for w in workers):
         time.sleep(0.1)
+        for w in workers:
+            w.deliver_pending()
         failed = [w for w in workers if w.code]
         if failed and first_failure is None and not received:  # after a signal, nothing is ever killed
             first_failure = time.monotonic()

@@ -5,10 +5,9 @@ The fused head does its whole backward inside the forward: for each chunk of tok
 logits (one GEMM in the compute dtype), their log-sum-exp in FP32, the loss, and the gradient of the
 loss with respect to the logits (softmax minus the one-hot target; on CUDA one Triton kernel,
 titan_te/ce_kernel.py, writes it over the logits), from which the gradients of the hidden states and
-of the weight follow (two more GEMMs). Only one chunk's logits exist at a time, so a
-1B Llama at batch 4 x 8192 with a 128,256-row vocabulary needs about 2 GiB for its head instead of the
-~50 GiB that FP32 logits, their gradient and their bf16 twins take. Backward then only scales the
-stored gradients by the incoming gradient of the loss (the loss is linear in them).
+of the weight follow (two more GEMMs). Only one chunk's logits exist at a time, instead of the whole
+batch's FP32 logits, their gradient and their bf16 twins (what that saves: README, speed). Backward then
+only scales the stored gradients by the incoming gradient of the loss (the loss is linear in them).
 
 `fp8` ("dgrad" or "all", fp8.head) runs GEMMs of the head in FP8 on CUDA, with per-tensor scales taken
 from the current values: "dgrad" the gradient into the model (the e5m2 logit gradient, which the

@@ -28,10 +28,28 @@ def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
     """`exits_after`: called as the process's entry point (train.py), which exits right after."""
     with SIGNALS.installed(for_good=exits_after):  # before anything else: a Ctrl-C during the imports is one line too
         try:
+            _tell_the_launcher()
             return _main(sys.argv[1:] if argv is None else argv)
         except Interrupted as e:
             say(e.line())
             return e.exit_code
+
+
+def _tell_the_launcher() -> None:
+    """Under ./run_train.sh: the handlers are in place, so the launcher may forward stop signals now (it
+    started this process with them ignored); a launcher that died while this one started is a stop."""
+    fd = os.environ.pop("TITAN_TE_READY_FD", "")
+    if fd:
+        try:
+            os.write(int(fd), b"1")
+            os.close(int(fd))
+        except (OSError, ValueError):
+            pass
+    launcher = os.environ.get("TITAN_TE_LAUNCHER_PID", "")
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        import signal
+
+        raise Interrupted(signal.SIGTERM, "starting (the launcher is gone)")
 
 
 def _main(argv: list[str]) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -9,10 +10,13 @@ from pathlib import Path
 
 import torch
 
-from titan_te.errors import ConfigError
+from titan_te.errors import ConfigError, quiet_thread_failures
 from titan_te.run_folder import make_folder, why
 
 logger = logging.getLogger("titan_te")
+# TensorBoard's writer thread raises on a full disk; the next write or flush in the training thread raises
+# too, and MetricsLogger drops the writer with one warning
+quiet_thread_failures(lambda thread, err: isinstance(err, OSError) and type(thread).__name__ == "_AsyncWriterThread")
 
 # Dense bf16 peak FLOP/s by device-name fragment (MFU is always against bf16, also when FP8 is on).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12,
@@ -20,13 +24,15 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e1
 
 
 def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in PEAK_BF16_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    return peak_for_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_for_name(name: str) -> float | None:
+    """The peak of the GPU a device name names: the model is a word of it ("NVIDIA GB200" is a GB200, not
+    a B200; "NVIDIA L40S" not an L4), whichever order the table is in."""
+    words = set(re.split(r"[\s_-]+", name.upper()))
+    found = [k for k in PEAK_BF16_FLOPS if k.upper() in words]
+    return PEAK_BF16_FLOPS[max(found, key=len)] if found else None
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:

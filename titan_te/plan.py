@@ -17,6 +17,11 @@ slower than stated, stragglers. The README compares its estimates with measured 
 """
 from __future__ import annotations
 
+from titan_te.preemption import SIGNALS
+
+if __name__ == "__main__":
+    SIGNALS.install_early()  # before the imports below: a Ctrl-C while they load is one line too
+
 import json
 import math
 import sys

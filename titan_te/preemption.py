@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 
-from titan_te.errors import Interrupted, Preempted
+from titan_te.errors import Interrupted, Preempted, say
 
 logger = logging.getLogger("titan_te")
 EXIT_PREEMPTED = Preempted.exit_code
@@ -86,6 +86,16 @@ class StopSignals:
                 for s, h in self._old.items():
                     signal.signal(s, h)
                 self._old.clear()
+
+    def install_early(self) -> None:
+        """For a tool run as __main__, before its heavy imports: until its main() takes over, a stop signal
+        prints the one line and exits at once (nothing has been written yet)."""
+        def early(signum, frame):
+            say(Interrupted(signum, "starting").line())
+            os._exit(128 + signum)
+
+        for s in STOP_SIGNALS:
+            signal.signal(s, early)
 
     def doing(self, what: str) -> None:
         """Names the start-up stage, for the line an interruption prints."""

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_te.checkpoint import integrity
 from titan_te.checkpoint.errors import is_environmental
+from titan_te.errors import quiet_thread_failures
 
 
 # Copying TE's FP8 tensors to the CPU (empty_like / _to_copy) makes TE warn on stderr that the result
@@ -35,22 +36,10 @@ warnings.filterwarnings("ignore", message=r"A function call\(aten\.(empty_like|_
                                           r"'transformer_engine\.", category=UserWarning)
 
 
-def _quiet_writer_threads() -> None:
-    """DCP's writer threads let an exception escape (torch 2.11-2.13: the failure also reaches dcp.save as the
-    rank's error, which the manager reports in one line); Python would print its traceback on stderr too.
-    Environmental failures of those threads (disk full ...) are left to that one line."""
-    default = threading.excepthook
-
-    def hook(args):
-        if "_write_files_from_queue" in (args.thread.name if args.thread else "") and args.exc_value is not None \
-                and is_environmental(args.exc_value):
-            return
-        default(args)
-
-    threading.excepthook = hook
-
-
-_quiet_writer_threads()
+# DCP's writer threads let an exception escape (the failure also reaches dcp.save as the rank's error, which
+# the manager reports in one line); an environmental one (disk full ...) is left to that line
+quiet_thread_failures(lambda thread, err: "_write_files_from_queue" in (thread.name if thread else "")
+                      and is_environmental(err))
 
 
 class Stager:

@@ -26,6 +26,19 @@ def flat_tensors(prefix: str, obj) -> dict[str, tuple]:
     return out
 
 
+def missing_keys(meta, part: str, target) -> list[str]:
+    """The keys of a part's load target (every leaf, as DCP flattens nested dicts) the checkpoint lacks."""
+    def leaves(prefix: str, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from leaves(f"{prefix}.{k}", v)
+        else:
+            yield prefix
+
+    saved = meta.state_dict_metadata
+    return [k for k in leaves(part, target) if k not in saved]
+
+
 def _summarize(keys: list[str], limit: int = 3) -> str:
     """'layers.2.*, layers.3.* (12 keys)': block-level names where blocks differ."""
     groups: list[str] = []

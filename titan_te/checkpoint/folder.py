@@ -59,6 +59,9 @@ class Manifest:
             return None
         if not isinstance(m.step, int) or not isinstance(m.lineage, str) or not isinstance(m.parts, list):
             return None
+        if not all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+                   for k, v in m.files.items()):
+            return None  # checksums that are not {file: [size, checksum]}: not a manifest of ours
         return m
 
 

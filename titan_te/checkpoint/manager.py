@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from titan_te.checkpoint import folder as fs
 from titan_te.checkpoint import integrity, space
 from titan_te.checkpoint.background import BackgroundSave, Stager, write
-from titan_te.checkpoint.compat import fact_differences, flat_tensors, tensor_differences
+from titan_te.checkpoint.compat import fact_differences, flat_tensors, missing_keys, tensor_differences
 from titan_te.checkpoint.errors import (causes, describe, environmental_cause, is_environmental,
                                        is_unreadable_data, write_failed)
 from titan_te.checkpoint.parts import Part
@@ -239,7 +239,16 @@ class CheckpointManager:
                             f"{', '.join(dropped)} state starts from the seed")
             wanted = {n: p for n, p in wanted.items() if p.resharding != "per_rank"}
         target = {n: p.load_target() for n, p in wanted.items()}
+        old_loader = "dataloader" in target and missing_keys(meta, "dataloader", target["dataloader"])
+        if old_loader:  # a per-rank loader state of an older titan_te: the data order starts afresh
+            logger.warning(f"checkpoint: {path} holds the data loader's position in an older layout; the data "
+                           f"order starts afresh (model, optimizer and step counters resume)")
+            wanted.pop("dataloader")
+            target.pop("dataloader")
         problems = fact_differences(manifest.facts if manifest else {}, self._compared_facts(), set(wanted))
+        problems += [f"the checkpoint lacks {', '.join(keys[:3])} (written by another titan_te version?)"
+                     for name in target if name not in ("model", "optimizer")
+                     for keys in [missing_keys(meta, name, target[name])] if keys]
         for name in ("model", "optimizer"):
             if name in target:
                 problems += tensor_differences(meta, flat_tensors(name, target[name]), name,

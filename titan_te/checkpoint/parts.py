@@ -10,6 +10,8 @@ in one DCP call and loads into `{name: part.load_target()}`, then hands each par
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import pickle
 import random
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from titan_te.registry import Registry
 
+logger = logging.getLogger("titan_te")
 EXTRA_STATE = "_extra_state"
 TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
@@ -210,15 +213,23 @@ class DataLoaderPart(PerRankPart):
         self.resharding = "replicated" if position is not None else "per_rank"
 
     def state_dict(self):
-        return self.position.state_dict() if self.position is not None else super().state_dict()
+        if self.position is None:
+            return super().state_dict()
+        return {**self.position.state_dict(), "order": json.dumps(self.dataloader.dataset.order(), sort_keys=True)}
 
     def load_target(self):
-        return {"epoch": 0, "offset": 0} if self.position is not None else super().load_target()
+        return {"epoch": 0, "offset": 0, "order": ""} if self.position is not None else super().load_target()
 
     def load_state_dict(self, state) -> None:
         if self.position is None:
             return super().load_state_dict(state)
         self.position.load_state_dict(state)
+        saved, now = json.loads(state["order"] or "{}"), self.dataloader.dataset.order()
+        if saved != now:  # another seq_len, dataset, hold-out, seed or shuffle: the saved offset means nothing here
+            changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v)
+            logger.warning(f"data: the order of the data changed since the checkpoint ({changed}); training goes on "
+                           f"from the start of epoch {self.position.epoch + 1} in the new order")
+            self.position.load_state_dict({"epoch": self.position.epoch + 1, "offset": 0})
         self.dataloader.dataset.start_at(self.position)
 
     def local_state(self):

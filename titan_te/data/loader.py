@@ -61,6 +61,10 @@ class PackedSequences(IterableDataset):
                             f"{global_batch}; use a shorter training.seq_len, a smaller batch or more data")
         self.start = DataPosition()
 
+    def order(self) -> dict:
+        """What the order of the windows depends on: a position saved under another order means nothing."""
+        return {"windows": self.n_windows, "seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle}
+
     def start_at(self, position: DataPosition) -> None:
         """Where the next iteration begins (before the loader's workers start)."""
         self.start = DataPosition(position.epoch, position.offset)

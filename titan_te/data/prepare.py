@@ -10,7 +10,14 @@ train with `--data.dataset=tokens --data.path=shards/` (the validation section r
 """
 from __future__ import annotations
 
+from titan_te.preemption import SIGNALS
+
+if __name__ == "__main__":
+    SIGNALS.install_early()  # before the imports below: a Ctrl-C while they load is one line too
+
+import collections
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import sys
@@ -25,7 +32,6 @@ from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.errors import DataError
 from titan_te.data.shards import MANIFEST, ShardWriter, shard_files, write_manifest
 from titan_te.data.token_source import frame_document
-from titan_te.preemption import SIGNALS
 from titan_te.run_folder import LOCK, FolderLock, why
 from titan_te.paths import check_path
 from titan_te.tool_cli import OneLineParser, run_tool
@@ -54,16 +60,80 @@ def _init_worker(targs: TokenizerArgs) -> None:
     _WORKER_TOKENIZER = build_tokenizer(targs)
 
 
-def _pool(workers: int, targs: TokenizerArgs):
-    """Tokenizer processes that ignore Ctrl-C and a closed terminal from their first instruction (a
-    signal to the process group reaches them too; the main process alone answers it and ends them). An
-    ignored signal stays ignored across the exec of a spawned process; a handler would not."""
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGHUP)}
-    try:
-        return mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(targs,))
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+class Tokenizers:
+    """Tokenizer processes, each with a pipe of its own. No queue or lock is shared between them, so ending
+    them at any moment (a failure, Ctrl-C) can never leave the others or this process waiting; they never
+    see Ctrl-C or a closed terminal themselves, and their stderr is /dev/null (their failures travel back
+    through the pipe and are raised here)."""
+
+    def __init__(self, n: int, targs: TokenizerArgs):
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        saved = os.dup(2)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 2)  # the children's fd 2, from their first instruction on
+            for _ in range(n):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(there, targs), daemon=True)
+                proc.start()
+                there.close()
+                self.procs.append(proc)
+                self.conns.append(here)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    def map(self, batches):
+        """The tokens of each batch, in order: batch i goes to process i mod n, one at a time each (a
+        process never writes a result while this one writes it the next batch)."""
+        waiting: collections.deque = collections.deque()
+        for i, batch in enumerate(batches):
+            w = i % len(self.conns)
+            if len(waiting) == len(self.conns):
+                yield self._result(waiting.popleft())
+            self.conns[w].send(batch)
+            waiting.append(w)
+        while waiting:
+            yield self._result(waiting.popleft())
+
+    def _result(self, w: int):
+        try:
+            out = self.conns[w].recv()
+        except EOFError:
+            raise RuntimeError(f"tokenizer process {w} died (exit code {self.procs[w].exitcode})") from None
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        self.end()
+
+    def end(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+def _serve(conn, targs: TokenizerArgs) -> None:
+    """A tokenizer process: batches in, token arrays (or the exception) out, until None."""
+    for s in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    _init_worker(targs)
+    while (batch := conn.recv()) is not None:
+        try:
+            conn.send(_tokenize(batch))
+        except Exception as e:  # noqa: BLE001 -- sent to the main process, which raises it
+            conn.send(e)
 
 
 def _tokenize(texts: list[str]) -> list[np.ndarray]:
@@ -213,7 +283,7 @@ def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fra
     every = round(1 / val_fraction) if val_fraction > 0 else 0
     progress = Progress(total_bytes)
     n_docs = n_tokens = done_bytes = 0
-    pool = _pool(workers, targs) if workers > 1 else None
+    pool = Tokenizers(workers, targs) if workers > 1 else None
     if pool is None:
         _init_worker(targs)
 
@@ -225,7 +295,7 @@ def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fra
 
     try:
         batches = sized(_batches(docs, batch_docs))
-        results = pool.imap(_tokenize, batches, chunksize=4) if pool else map(_tokenize, batches)
+        results = pool.map(batches) if pool else map(_tokenize, batches)
         for tokenized in results:
             for ids in tokenized:
                 split = "val" if every and n_docs % every == every - 1 else "train"
@@ -237,10 +307,15 @@ def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fra
             w.close()
     except BaseException:
         progress.clear()
+        if pool is not None:
+            for proc in pool.procs:
+                proc.kill()
+            pool.end()
+            pool = None
         raise
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.close()
         for w in writers.values():
             w.abandon()
     progress.update(n_tokens, n_docs, done_bytes, final=True)

@@ -17,6 +17,7 @@ Kinds (the `kind` of a bucket):
 """
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from titan_te import triton_support
 from titan_te.optim import triton_adam
 from titan_te.optim.param_groups import decay_groups
 
+logger = logging.getLogger("titan_te")
 TE_CHUNK = 2048 * 32  # elements per block of TE's multi-tensor kernels
 TE_MAX_TENSORS = 1024  # tensors per kernel call
 CPU_SLICE = 1 << 24  # elements per torch _foreach_ slice (bounds FP32 temporaries)
@@ -57,12 +59,18 @@ def _te_kernels():
     if not torch.cuda.is_available():
         return None
     try:
-        # The extension alone runs the Adam kernels about 2.4x slower on the H200 (measured) than
-        # after transformer_engine.pytorch has initialized it, so load it the way TE does.
+        # the extension runs its Adam kernels slower unless transformer_engine.pytorch has initialized it
+        # first (train_bench measures it), so load it the way TE does
         import transformer_engine.pytorch  # noqa: F401
         import transformer_engine_torch as tex
-    except Exception:  # not installed, or a broken install raising at import time: torch math instead
+    except ImportError:  # not installed: torch's foreach math, said once
+        logger.warning("fused_adam: Transformer Engine is not installed; its CUDA kernels are replaced by torch's "
+                       "foreach math (slower)")
         return None
+    except Exception as e:  # noqa: BLE001 -- installed but broken (a wrong CUDA or torch build): the user's to fix
+        raise ConfigError(f"optimizer.name = 'fused_adam': Transformer Engine is installed but cannot be loaded "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); reinstall it for "
+                          f"this torch and CUDA, or use --optimizer.name=adamw") from None
     return tex
 
 
@@ -97,7 +105,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.grad_scale: torch.Tensor | None = None  # set by the trainer: the clip coefficient for this step
         self._noop = None
         # streams > 1: TE kernel launches are spread over that many CUDA streams (each launch holds a
-        # bounded number of blocks; two concurrent streams cut the FP8 step on the H200 by 9%)
+        # bounded number of blocks, so concurrent streams fill the GPU better: README, optimizers)
         self._streams = streams if self._te is not None else 1
         self._side: list | None = None
         for group in self.param_groups:

@@ -5,7 +5,7 @@ Per element it reads the gradient, the FP32 weight (or master) and both moments 
 once, and for FP8 weights the FP8 byte too (21 bytes with FP32 gradients and bf16 moments), where the
 two-pass path (TE's multi_tensor_adam on the masters, then one `quantize_` per weight) reads the new
 master a second time and launches several kernels per weight. TE's multi_tensor_adam on FP32 weights
-with bf16 moments moves the same bytes at about a third of the bandwidth on the H200 (1.2 TB/s), and
+with bf16 moments moves the same bytes at a fraction of this kernel's bandwidth (README: optimizers), and
 needs the gradient-clipping factor applied in a pass of its own. The math is TE's AdamW (mode 1, bias
 correction): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2; p -= lr (m/bc1 / (sqrt(v/bc2) + eps) + wd p).
 The FP8 write follows TE's delayed-scaling cast: saturate(p * scale), amax = max(amax, |p|) into the

@@ -16,7 +16,7 @@ class ParallelSpec:
     replicates: bool = False  # takes data_parallel_replicate_degree > 1 (a 2-D replicate x shard mesh)
     reduces_grads_itself: bool = False  # reduce-scatters param.grad in its own hooks (FSDP2)
     # the entry that may run in its place on a world of one rank (parallelism.unsharded_one_rank): FSDP
-    # there only copies parameters into and gradients out of its buffers (about 7% of an 8B step on one H200)
+    # there only copies parameters into and gradients out of its buffers
     one_rank: str | None = None
 
 

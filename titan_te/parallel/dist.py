@@ -55,6 +55,10 @@ def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: in
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     share = shared_gpu() and device_type == "cuda"
     if device_type == "cuda":
+        if not share and local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"LOCAL_RANK={local_rank}, but this node has {torch.cuda.device_count()} visible GPU(s): "
+                              f"start at most one process per GPU ({SHARE_GPU}=1 runs several ranks on one GPU, a "
+                              f"testing mode)")
         device = torch.device("cuda", 0 if share else local_rank)
         torch.cuda.set_device(device)
         # gloo too: async checkpoint saves use a CPU group; with shared GPUs gloo carries the CUDA tensors
