@@ -62,8 +62,8 @@ def main() -> int:
     rows = []
     for i, mode in enumerate(MODES):
         ck_cfg = replace(cfg.checkpoint, enable=True, async_mode=mode, keep_latest_k=0, folder=str(folder / mode))
-        ck = CheckpointManager(ck_cfg, folder / mode, tr.checkpointer.parts, tr.env, tr._facts(), 10**9)
-        hook = tr.optimizer.register_step_pre_hook(ck.before_optimizer_step)  # as the trainer does
+        ck = CheckpointManager(ck_cfg, folder / mode, tr.checkpointer.parts, tr.env, tr._facts(), 10**9,
+                               optimizer=tr.optimizer)  # its steps wait for a save's copy, as in training
         blocked, total = [], []
         for r in range(a.repeats):
             t0 = time.perf_counter()
@@ -79,7 +79,6 @@ def main() -> int:
         crc_s = time.perf_counter() - t0
         saved = complete_steps(folder / mode)
         assert len(saved) == a.repeats, f"{mode}: only {saved} of {a.repeats} saves are complete"
-        hook.remove()
         ck.close()
         shutil.rmtree(folder / mode, ignore_errors=True)
         rows.append((mode, min(blocked), min(total), size_gb, crc_s))

@@ -687,7 +687,7 @@ def test_stop_signals_by_phase_in_one_process():
         with SIGNALS.training():
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.1)
-            assert SIGNALS.flag and SIGNALS.requested_everywhere()
+            assert SIGNALS.flag
         os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's repeat while the process tears down
         time.sleep(0.1)
         assert SIGNALS.phase == "finishing"

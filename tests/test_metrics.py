@@ -170,3 +170,41 @@ def test_the_peak_flops_of_a_gpu_name_is_its_own_not_a_substrings(name, peak):
     from titan_te.metrics import peak_for_name
 
     assert peak_for_name(name) == peak
+
+
+def test_the_metrics_file_has_what_tensorboard_has_and_a_resume_continues_it(tmp_path):
+    """<run>/metrics.jsonl: every value TensorBoard gets, one JSON object per write; a resumed run drops what
+    a crashed run logged after its checkpoint, so each step is there once."""
+    from helpers import make_cfg
+    from titan_te.trainer import Trainer
+
+    sections = {"training": {"steps": 8}, "metrics": {"log_freq": 2, "enable_tensorboard": True},
+                "checkpoint": {"enable": True, "interval": 4}}
+    with Trainer(make_cfg(tmp_path, **sections)) as tr:
+        tr.train(until_step=6)  # "crashes" after step 6, checkpoint at 4
+    with Trainer(make_cfg(tmp_path, **sections)) as tr:
+        assert tr.state.step == 4
+        tr.train()
+    rows = [json.loads(line) for line in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss_metrics/global_avg_loss"]) for r in rows if "loss_metrics/global_avg_loss" in r]
+    assert [s for s, _ in losses] == [1, 2, 4, 6, 8]  # 6 once: the crashed run's step 6 was dropped
+    acc = EventAccumulator(str(tmp_path / "t/tb"))
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("loss_metrics/global_avg_loss")} == pytest.approx(dict(losses))
+    assert [r["step"] for r in rows if "checkpoint/save_s" in r] == [4, 8]
+
+
+def test_a_stop_request_costs_no_collective_of_its_own(tmp_path, monkeypatch):
+    """Three all-reduces a step (token count with the stop votes, loss, worst loss), nothing more."""
+    import torch.distributed as dist
+
+    from helpers import make_cfg
+    from titan_te.trainer import Trainer
+
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **kw: calls.append(t.numel()) or real(t, *a, **kw))
+    with Trainer(make_cfg(tmp_path, training={"steps": 4})) as tr:
+        calls.clear()
+        tr.train()
+    assert calls == [2, 1, 1] * 4, calls

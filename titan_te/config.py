@@ -183,7 +183,9 @@ class LRScheduler:
 class Metrics:
     log_freq: int = opt(10, "print / log metrics every N steps", bounds=Bounds(1))
     enable_tensorboard: bool = opt(True, "write TensorBoard event files under <run>/tb")
-    rank_0_only: bool = opt(True, "only rank 0 writes TensorBoard events")
+    enable_jsonl: bool = opt(True, "write every logged value to <run>/metrics.jsonl, one JSON object per line "
+                                   "(readable without TensorBoard)")
+    rank_0_only: bool = opt(True, "only rank 0 writes TensorBoard events and the metrics file")
     fp8_stats_freq: int = opt(100, "with delayed-scaling FP8: log amax and scale statistics per layer group "
                                    "every N steps (0 disables)", bounds=NON_NEGATIVE)
 

@@ -1,4 +1,4 @@
-"""Metrics: the console line, TensorBoard events, MFU and memory."""
+"""Metrics: the console line, MFU and memory, and the values handed to the sinks (metric_sinks.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,13 +10,9 @@ from pathlib import Path
 
 import torch
 
-from titan_te.errors import ConfigError, quiet_thread_failures
-from titan_te.run_folder import make_folder, why
+from titan_te.metric_sinks import sinks_for
 
 logger = logging.getLogger("titan_te")
-# TensorBoard's writer thread raises on a full disk; the next write or flush in the training thread raises
-# too, and MetricsLogger drops the writer with one warning
-quiet_thread_failures(lambda thread, err: isinstance(err, OSError) and type(thread).__name__ == "_AsyncWriterThread")
 
 # Dense bf16 peak FLOP/s by device-name fragment (MFU is always against bf16, also when FP8 is on).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12,
@@ -107,32 +103,61 @@ class StepStats:
     epoch: int = 0
 
 
+@dataclass
+class PendingStep:
+    """A finished step whose values are still on the device: [loss, worst rank's loss, grad norm, stop votes]."""
+
+    values: DeviceValues
+    step: int
+    lr: float
+    epoch: int
+    data_time: float
+    tokens: int  # on this rank
+
+
 class MetricsLogger:
+    """The console line every `log_freq` steps, and every value into the sinks (TensorBoard, JSON Lines).
+
+    A step's values are read one step late (`step_done` reads the step before): the host never waits for
+    the GPU in between. Anything else written (validation, FP8 statistics, checkpoint times) first reads the
+    step still pending, so the console and the files stay in step order. The step values also carry how
+    many ranks were asked to stop (`stop_votes`): every rank reads the same steps at the same points, so all
+    of them see a stop request at the same step."""
+
     def __init__(self, mcfg, run_folder: Path, device: torch.device, rank: int, flops_per_token: float,
                  total_steps: int, start_step: int = 0, causal_flops_per_token: float | None = None):
         self.cfg, self.device, self.rank = mcfg, device, rank
         self.flops_per_token, self.total_steps = flops_per_token, total_steps
         self.causal_flops_per_token = causal_flops_per_token or flops_per_token
         self.peak = peak_flops(device)
-        self.writer = None
-        self.tb_folder = run_folder / "tb" / ("" if mcfg.rank_0_only else f"rank_{rank}")
-        if mcfg.enable_tensorboard and (rank == 0 or not mcfg.rank_0_only):
-            from torch.utils.tensorboard import SummaryWriter
-
-            fix = "free space there, choose another --job.dump_folder or set --metrics.enable_tensorboard=false"
-            make_folder(self.tb_folder, "the TensorBoard folder", fix)
-            # A resumed run continues the same step axis. Steps after the checkpoint that a crashed run
-            # had already logged are purged (TensorBoard drops older events at or past purge_step), so
-            # the curve stays one line with no step written twice.
-            try:
-                self.writer = SummaryWriter(log_dir=str(self.tb_folder),
-                                            purge_step=start_step + 1 if start_step else None)
-            except OSError as e:
-                raise ConfigError(f"TensorBoard events cannot be written in {self.tb_folder} ({why(e)}); {fix}") \
-                    from None
+        self.sinks = sinks_for(mcfg, run_folder, rank, start_step)
+        self.losses: list[float] = []  # the global average loss of every step read, for callers and tests
+        self.stop_votes = 0.0
+        self._pending: PendingStep | None = None
+        self._last_end: DeviceValues | None = None
         self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
         self.started = time.perf_counter()
         self.total_tokens, self.total_time, self.steps_done = 0, 0.0, 0
+
+    def start_loop(self) -> None:
+        """The first step of a training loop is timed from here."""
+        self._last_end = DeviceValues.start(self.device)
+
+    def step_done(self, pending: PendingStep) -> None:
+        """Read and log the step before this one (its work is done by now), and keep this one pending."""
+        self.flush()
+        self._pending = pending
+
+    def flush(self) -> None:
+        """Read and log the pending step now (before a save, at the end of the loop)."""
+        if self._pending is None:
+            return
+        p, self._pending = self._pending, None
+        loss, max_loss, gnorm, votes = p.values.get()
+        step_time, self._last_end = p.values.seconds_since(self._last_end), p.values
+        self.losses.append(loss)
+        self.stop_votes = max(self.stop_votes, votes)
+        self.record(StepStats(p.step, loss, max_loss, gnorm, p.lr, p.tokens, step_time, p.data_time, p.epoch))
 
     def record(self, s: StepStats) -> dict | None:
         """Accumulate one step; every log_freq steps (and the last) print and write. Returns the values."""
@@ -168,34 +193,31 @@ class MetricsLogger:
         logger.info(f"step {s.step:>6}  loss {s.loss:8.4f}  lr {s.lr:.2e}  gnorm {s.grad_norm:7.3f}  "
                     f"tps {tps:,.0f}  tflops {tflops:.2f}  mfu {mfu}  mem {active:.2f}GiB  "
                     f"epoch {s.epoch}  eta {format_eta(eta)}")
-        self.write(values, s.step)
+        self._to_sinks(values, s.step)
         self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
         return values
 
     def write(self, values: dict, step: int) -> None:
-        """TensorBoard scalars at `step` (also for values logged outside the per-step line). A disk that
-        stops taking events (full, gone) ends TensorBoard logging with one warning, never the run."""
-        if self.writer is None:
-            return
-        try:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
-            self.writer.flush()
-        except OSError as e:
-            self._drop_writer(e)
+        """Values logged outside the per-step line (validation, FP8 statistics, checkpoint times); the
+        pending step is logged first."""
+        self.flush()
+        self._to_sinks(values, step)
 
-    def _drop_writer(self, e: OSError) -> None:
-        writer, self.writer = self.writer, None
-        logger.warning(f"TensorBoard events cannot be written to {self.tb_folder} any more ({why(e)}); the console "
-                       f"and the run's log keep every step")
-        try:
-            writer.close()
-        except OSError:
-            pass
+    def _to_sinks(self, values: dict, step: int) -> None:
+        for sink in self.sinks:
+            sink.write(values, step)
+
+    def summary(self, step: int, tokens_seen: int, tokens_per_step: int, checkpoints: str) -> str:
+        """The run's last line."""
+        active, _ = memory_gib(self.device)
+        wall = time.perf_counter() - self.started
+        where = "; ".join(s.hint() for s in self.sinks if s.alive) or "TensorBoard off"
+        return (f"done: step {step} of {self.total_steps}, {tokens_seen:,} tokens in the whole run; this process: "
+                f"{self.steps_done} steps, {self.steps_done * tokens_per_step:,} tokens, {wall:.1f}s wall, "
+                f"{self.total_tokens / max(self.total_time, 1e-9):,.0f} tokens/s per rank, peak memory {active:.2f} "
+                f"GiB; {checkpoints}; {where}")
 
     def close(self) -> None:
-        if self.writer is not None:
-            try:
-                self.writer.close()
-            except OSError as e:
-                self._drop_writer(e)
+        self.flush()
+        for sink in self.sinks:
+            sink.close()

@@ -70,8 +70,9 @@ class StopSignals:
     @contextlib.contextmanager
     def installed(self, for_good: bool = False):
         """Handlers on for the life of an entry point (the main thread only; nested calls share them).
-        `for_good`: the process exits right after, so they stay while the interpreter tears down (a late
-        repeat of the signal must not turn a saved stop's exit 75 into a kill)."""
+        `for_good`: the process exits right after with the code it has decided: from then on the stop
+        signals are ignored (Python's own teardown would reset a handler to the default, and a late repeat
+        of the signal would turn a saved stop's exit 75 into a kill)."""
         main = threading.current_thread() is threading.main_thread()
         if main and self._depth == 0:
             self.phase, self.flag, self.what, self._pid, self.decided = "starting", False, "starting", os.getpid(), None
@@ -82,9 +83,9 @@ class StopSignals:
             yield self
         finally:
             self._depth -= main
-            if main and self._depth == 0 and not for_good:
+            if main and self._depth == 0:
                 for s, h in self._old.items():
-                    signal.signal(s, h)
+                    signal.signal(s, signal.SIG_IGN if for_good else h)
                 self._old.clear()
 
     def install_early(self) -> None:
@@ -111,16 +112,6 @@ class StopSignals:
                 yield self
             finally:
                 self.phase = "finishing"
-
-    def requested_everywhere(self, group=None) -> bool:
-        """True on every rank as soon as any rank got a signal (all ranks must save together)."""
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if self.flag else 0])  # a CPU tensor: goes over gloo on GPU runs too
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
 
 
 SIGNALS = StopSignals()

@@ -6,8 +6,10 @@ https://pytorch.org/memory_viz.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -20,7 +22,6 @@ logger = logging.getLogger("titan_te")
 class Profiler:
     def __init__(self, pcfg, run_folder: Path, device: torch.device, rank: int):
         self.cfg, self.device, self.rank = pcfg, device, rank
-        self.trace_steps = set(range(pcfg.profile_start, pcfg.profile_start + pcfg.profile_active))
         self.trace_folder = run_folder / pcfg.traces_folder
         self.snapshot_folder = run_folder / pcfg.memory_snapshot_folder
         self._prof = None
@@ -37,28 +38,43 @@ class Profiler:
         elif pcfg.enable_memory_snapshot:
             logger.warning("profiling.enable_memory_snapshot: CUDA memory snapshots need a GPU; none are written")
 
-    def step_begin(self, step: int) -> None:
-        if not self.cfg.enable_profiling or step not in self.trace_steps or self._prof is not None:
+    @contextlib.contextmanager
+    def loop(self, first_step: int):
+        """Around a training loop starting at `first_step`: traces the steps profile_start ..
+        profile_start + profile_active - 1 that it runs (torch.profiler's schedule; `step_end` advances it)."""
+        last = self.cfg.profile_start + self.cfg.profile_active - 1
+        if not self.cfg.enable_profiling or last < first_step:
+            yield self
             return
+        start = max(self.cfg.profile_start, first_step)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
-        self._prof.__enter__()
-        self._first = step
+        with warnings.catch_warnings():  # "won't be using warmup": the traced steps are the chosen ones, as set
+            warnings.simplefilter("ignore")
+            schedule = torch.profiler.schedule(skip_first=start - first_step, wait=0, warmup=0,
+                                               active=last - start + 1, repeat=1)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False,
+                                            schedule=schedule, on_trace_ready=lambda p: self._write(p, start, last))
+        try:
+            with self._prof:
+                yield self
+        finally:
+            self._prof = None
+
+    def _write(self, prof, first: int, last: int) -> None:
+        path = self.trace_folder / f"step-{first}" / f"rank{self.rank}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(path))
+            logger.info(f"profiling: trace of steps {first}-{last} written to {path}")
+        except OSError as e:  # the disk filled up since the start: a trace is not worth the run
+            logger.error(f"profiling: the trace of steps {first}-{last} cannot be written to {path} ({why(e)}); "
+                         f"training goes on")
 
     def step_end(self, step: int) -> None:
-        if self._prof is not None and step + 1 not in self.trace_steps:
-            self._prof.__exit__(None, None, None)
-            path = self.trace_folder / f"step-{self._first}" / f"rank{self.rank}.json"
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._prof.export_chrome_trace(str(path))
-                logger.info(f"profiling: trace of steps {self._first}-{step} written to {path}")
-            except OSError as e:  # the disk filled up since the start: a trace is not worth the run
-                logger.error(f"profiling: the trace of steps {self._first}-{step} cannot be written to {path} "
-                             f"({why(e)}); training goes on")
-            self._prof = None
+        if self._prof is not None:
+            self._prof.step()
         if self._recording and step in self.cfg.memory_snapshot_steps:
             self.snapshot(f"step-{step}")
 
@@ -78,9 +94,6 @@ class Profiler:
         return path
 
     def close(self) -> None:
-        if self._prof is not None:
-            self._prof.__exit__(None, None, None)
-            self._prof = None
         if self._recording:
             torch.cuda.memory._record_memory_history(enabled=None)
             self._recording = False

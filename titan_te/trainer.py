@@ -34,7 +34,7 @@ from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
 from titan_te.loss import IGNORE_INDEX, token_loss_sum
-from titan_te.metrics import DeviceValues, MetricsLogger, StepStats, causal_flops_per_token, memory_gib
+from titan_te.metrics import DeviceValues, MetricsLogger, PendingStep, causal_flops_per_token
 from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
@@ -53,9 +53,8 @@ from titan_te.train_utils import clip_grad_norm, set_determinism
 logger = logging.getLogger("titan_te")
 
 
-def _describe_data(cfg, source, val_source, tokenizer) -> str:
+def _describe_data(d, v, source, val_source, tokenizer) -> str:
     """The start-up line naming what the run trains and validates on."""
-    d = cfg.data
 
     def size(src) -> str:
         shards = getattr(src, "shards", None)
@@ -67,7 +66,7 @@ def _describe_data(cfg, source, val_source, tokenizer) -> str:
     elif getattr(source, "validation", None) is val_source:
         val = f"the dataset's own split ({size(val_source)})"
     else:
-        val = f"held-out {cfg.validation.hold_out_fraction:.1%} of the training tokens ({size(val_source)})"
+        val = f"held-out {v.hold_out_fraction:.1%} of the training tokens ({size(val_source)})"
     return (f"data: dataset {d.dataset}{path} ({getattr(source, 'name', d.dataset)}), tokenizer {d.tokenizer} "
             f"(vocab {tokenizer.vocab_size:,}): {size(source)}; validation: {val}")
 
@@ -126,77 +125,104 @@ class Trainer:
                         "".join(traceback.format_exception(exc_type, exc, tb)).rstrip())
 
     def _build(self, cfg: config_mod.Config) -> None:
-        t = cfg.training
-        # 1. distributed
+        """The numbered recipe; each stage builds its parts from its own config sections."""
+        self.env = self._distributed(cfg.training, cfg.parallelism)  # 1.
+        self._claim_run_folder(cfg.run_folder, cfg.job)
+        val_source = self._data(cfg.data, cfg.validation, cfg.training)  # 2.
+        model = self._model(cfg.model, cfg.fp8, cfg.training, cfg)  # 3.
+        self.train_model = self._parallelize(model, cfg.parallelism, cfg.activation_checkpoint, cfg.compile,
+                                             cfg.training)  # 4.
+        self._initialize(model, cfg.training, cfg.fp8, cfg.optimizer)  # 5.
+        self._optimizer(model, cfg)  # 6.
+        self._checkpoints(model, cfg.checkpoint, cfg.training)  # 7.
+        self._outputs(cfg, val_source)  # 8.
+        if self.env.is_main:
+            self._write_resolved_config()
+            self._log_summary()
+            self._log_resume()
+
+    def _distributed(self, t, p):
+        """1. Rendezvous, the process group and the data-parallel mesh."""
         SIGNALS.doing("joining the process group")
-        device_type = resolve_device(t.device)
-        rep, shard = config_mod.dp_degrees(cfg.parallelism, config_mod.world_size_from_env())
-        self.env = env = init_distributed(device_type, rep, shard, cfg.parallelism.comm_timeout_s,
-                                          cfg.parallelism.rendezvous_timeout_s)
+        self.device_type = resolve_device(t.device)
+        rep, shard = config_mod.dp_degrees(p, config_mod.world_size_from_env())
+        env = init_distributed(self.device_type, rep, shard, p.comm_timeout_s, p.rendezvous_timeout_s)
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
         self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
-        # One trainer per run folder: rank 0 holds its lock until close (a dead holder's lock is taken over).
-        self.run_folder = cfg.run_folder
-        self._lock = FolderLock(self.run_folder, "run folder", "choose another --job.dump_folder or --job.name",
-                                holder=f"job {cfg.job.name}")
-        on_rank0(self._lock.acquire)
-        self.log_file = attach_log_file(self.run_folder, env.rank)
+        self.global_batch = t.local_batch_size * self.grad_accum * env.dp_world  # sequences per step
+        self.tokens_per_step = self.global_batch * t.seq_len
+        return env
 
-        # 2. data
+    def _claim_run_folder(self, folder: Path, job) -> None:
+        """One trainer per run folder: rank 0 holds its lock until close (a dead holder's is taken over)."""
+        self.run_folder = folder
+        self._lock = FolderLock(folder, "run folder", "choose another --job.dump_folder or --job.name",
+                                holder=f"job {job.name}")
+        on_rank0(self._lock.acquire)
+        self.log_file = attach_log_file(folder, self.env.rank)
+
+    def _data(self, d, v, t):
+        """2. Tokenizer, dataset (and its held-out part) and the loader; returns the validation source."""
         SIGNALS.doing("reading the data")
-        self.tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
-        source = DATASETS.get(cfg.data.dataset)(cfg.data, self.tokenizer)
+        env = self.env
+        self.tokenizer = TOKENIZERS.get(d.tokenizer)(d)
+        source = DATASETS.get(d.dataset)(d, self.tokenizer)
         val_source = None
-        if cfg.validation.enable:  # the dataset's own split, else a held-out tail of its tokens
+        if v.enable:  # the dataset's own split, else a held-out tail of its tokens
             val_source = source.validation
             if val_source is None:
-                source, val_source = source.split(cfg.validation.hold_out_fraction)
-        self._data_line = _describe_data(cfg, source, val_source, self.tokenizer)
-        self.global_batch = t.local_batch_size * self.grad_accum * env.dp_world  # sequences per step
+                source, val_source = source.split(v.hold_out_fraction)
+        self._data_line = _describe_data(d, v, source, val_source, self.tokenizer)
         self.dataloader = build_dataloader(source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
-                                           t.seed, cfg.data.shuffle, cfg.data.num_workers,
-                                           pin_memory=device_type == "cuda", global_batch=self.global_batch)
+                                           t.seed, d.shuffle, d.num_workers, pin_memory=self.device_type == "cuda",
+                                           global_batch=self.global_batch)
         # where the data stands, the same on every rank: resumes on any number of ranks and loader workers
         self.data_position = DataPosition() if getattr(self.dataloader.dataset, "global_position", False) else None
+        return val_source
 
-        # 3. model on the meta device (FP8 weights inside TE's quantized_model_init)
+    def _model(self, m, f, t, cfg):
+        """3. The model on the meta device (FP8 weights inside TE's quantized_model_init), after the check
+        that it can fit at all."""
         SIGNALS.doing("building the model")
-        self.backend = resolve_backend(cfg.model.backend, device_type)
-        logger.info(f"layer backend: {self.backend} (model.backend = {cfg.model.backend})")
-        self.fp8 = FP8Context(cfg.fp8, amax_group=dist.group.WORLD)  # amax reduced over data parallel
-        self.model_spec = spec = MODELS.get(cfg.model.name)
-        self.model_args = spec.resolve_args(cfg.model.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len,
-                                            cfg.model.n_layers)
+        self.backend = resolve_backend(m.backend, self.device_type)
+        logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
+        self.fp8 = FP8Context(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
+        self.model_spec = spec = MODELS.get(m.name)
+        self.model_args = spec.resolve_args(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         head_dim = getattr(self.model_args, "head_dim", None)
-        if cfg.fp8.attention and head_dim not in (None, 128):
+        if f.attention and head_dim not in (None, 128):
             raise ConfigError(f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), "
-                              f"the {cfg.model.flavor} flavor's is {head_dim}; set --fp8.attention=false")
+                              f"the {m.flavor} flavor's is {head_dim}; set --fp8.attention=false")
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
-        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, env.mesh.size(1),
+        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, self.env.mesh.size(1),
                    local_world())
         logger.info(f"building the model ({self.model_args.num_params() / 1e6:,.1f} M parameters) on "
                     f"{self.device}")
         with torch.device("meta"):
-            model = spec.build(self.model_args, self.backend, document_mask=cfg.model.document_mask,
+            model = spec.build(self.model_args, self.backend, document_mask=m.document_mask,
                                fp8=self.fp8 if self.fp8.enabled else None, params_dtype=torch.float32)
         self.model = model  # the unwrapped module: names, init rules, state dicts
+        return model
 
-        # 4. activation checkpointing, compile, data parallelism
-        apply_activation_checkpoint(model, cfg.activation_checkpoint)
-        if cfg.compile.enable:
+    def _parallelize(self, model, p, ac, compile_cfg, t):
+        """4. Activation checkpointing, compile, then the data parallelism from its registry."""
+        apply_activation_checkpoint(model, ac)
+        if compile_cfg.enable:
             apply_compile(model, self.backend)
-        mp = mixed_precision(device_type, t.mixed_precision_param, t.mixed_precision_reduce)
-        parallel = PARALLELISMS.get(cfg.parallelism.data_parallel)
-        if env.world_size == 1 and parallel.one_rank and cfg.parallelism.unsharded_one_rank:
+        mp = mixed_precision(self.device_type, t.mixed_precision_param, t.mixed_precision_reduce)
+        parallel = PARALLELISMS.get(p.data_parallel)
+        if self.env.world_size == 1 and parallel.one_rank and p.unsharded_one_rank:
             parallel = PARALLELISMS.get(parallel.one_rank)
         self.parallel = parallel.name
-        self.train_model = parallel.apply(model, env, cfg.parallelism, mp, spec.fsdp_units(model))
+        train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model))
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
-        self._amp = (device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
+        self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype
+        return train_model
 
-        # 5. materialize and initialize
+    def _initialize(self, model, t, f, o) -> None:
+        """5. Materialize and initialize: the same full weights for any world size and seed."""
         backend_spec = BACKENDS.get(self.backend)
         if any(p.is_meta for p in model.parameters()):
             if backend_spec.materialize:
@@ -204,53 +230,54 @@ class Trainer:
             else:
                 model.to_empty(device=self.device)
         write = backend_spec.write
-        if write is not None and cfg.fp8.enable and cfg.fp8.params and cfg.fp8.preserve_high_precision_init \
-                and OPTIMIZERS.get(cfg.optimizer.name).takes_high_precision_init:
+        if write is not None and f.enable and f.params and f.preserve_high_precision_init \
+                and OPTIMIZERS.get(o.name).takes_high_precision_init:
             write = functools.partial(write, keep_high_precision=True)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
 
-        # 6. optimizer and LR schedule
+    def _optimizer(self, model, cfg) -> None:
+        """6. The optimizer (with its own [optimizer.<name>] options, if it declares any) and the LR schedule."""
         opt_spec = OPTIMIZERS.get(cfg.optimizer.name)
         own = {"options": config_mod.component_options(cfg, "optimizer", opt_spec.name)} if opt_spec.options else {}
-        self.optimizer = opt_spec.build(list(model.named_parameters()), cfg.optimizer, device_type, **own)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.optimizer = opt_spec.build(list(model.named_parameters()), cfg.optimizer, self.device_type, **own)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
-        # 7. checkpoints: resume, or start from Hugging Face weights
+    def _checkpoints(self, model, ck, t) -> None:
+        """7. The checkpoint manager: resume, or start from Hugging Face weights."""
         SIGNALS.doing("resuming")
+        env = self.env
         self.state = TrainState()
-        ck = cfg.checkpoint
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
                                data_position=self.data_position)
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
-        self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder)
-        # A background save copies the weights while the next forward/backward runs; they must not
-        # change before the copy is complete.
-        self.optimizer.register_step_pre_hook(self.checkpointer.before_optimizer_step)
+        # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
+        # the optimizer from changing them before the copy is complete; a step's line is logged before its save
+        self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder,
+                                              optimizer=self.optimizer, before_save=lambda: self.metrics.flush(),
+                                              on_saved=self._log_save)
         resumed = self.checkpointer.resume()
-        self.checkpointer.check_space(self.state.step)
-        if not resumed and cfg.checkpoint.initial_load_path:
+        if not resumed and ck.initial_load_path:
+            spec = self.model_spec
             if spec.hf is None:
                 raise ConfigError(f"checkpoint.initial_load_path: model {spec.name} has no Hugging Face adapter")
-            importlib.import_module(spec.hf).load_hf_weights(model, cfg.checkpoint.initial_load_path,
-                                                             backend_spec.write)
-            logger.info(f"initial weights from {cfg.checkpoint.initial_load_path}")
+            importlib.import_module(spec.hf).load_hf_weights(model, ck.initial_load_path,
+                                                             BACKENDS.get(self.backend).write)
+            logger.info(f"initial weights from {ck.initial_load_path}")
 
-        # 8. metrics
-        self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum * env.dp_world
+    def _outputs(self, cfg, val_source) -> None:
+        """8. Metrics (console, TensorBoard, metrics file), the profiler, validation."""
+        t, env = cfg.training, self.env
         self.metrics = MetricsLogger(cfg.metrics, self.run_folder, self.device, env.rank,
                                      self.model_args.flops_per_token(t.seq_len), t.steps, start_step=self.state.step,
                                      causal_flops_per_token=causal_flops_per_token(self.model_args, t.seq_len))
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
         self.validator = None if val_source is None else Validator(
             cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
-            pin_memory=device_type == "cuda", device=self.device)
-        self.losses: list[float] = []  # global average loss of every step, for callers and tests
-        if env.is_main:
-            self._write_resolved_config()
-            self._log_summary()
-            self._log_resume()
+            pin_memory=self.device_type == "cuda", device=self.device)
+        self._stop_vote = torch.zeros((), device=self.device)  # 1 once this rank was asked to stop
+        self._voted = False
 
     # ------------------------------------------------------------------------------------------
     def _facts(self) -> dict:
@@ -336,12 +363,22 @@ class Trainer:
                 return self.train_model(inp, labels=labels, **self._doc_kwargs(inp))
             return token_loss_sum(self.train_model(inp, **self._doc_kwargs(inp)), labels)
 
+    @property
+    def losses(self) -> list[float]:
+        """The global average loss of every step so far, for callers and tests."""
+        return self.metrics.losses
+
     def train_step(self, microbatches) -> torch.Tensor:
-        """One optimizer step over the micro-batches. Returns [global avg loss, max rank loss, grad norm]
-        as one device tensor: nothing here waits for the GPU."""
+        """One optimizer step over the micro-batches. Returns [global avg loss, max rank loss, grad norm, ranks
+        asked to stop] as one device tensor: nothing here waits for the GPU."""
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
-        global_tokens = local_tokens.clone()
-        dist.all_reduce(global_tokens)
+        if SIGNALS.flag and not self._voted:
+            self._stop_vote.fill_(1.0)
+            self._voted = True
+        # One all-reduce for the token count and the stop votes: a stop request costs no collective of its own.
+        counts = torch.stack([local_tokens, self._stop_vote])
+        dist.all_reduce(counts)
+        global_tokens = counts[0]
         # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
         # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
         # whatever the split into ranks and micro-batches.
@@ -357,25 +394,24 @@ class Trainer:
         rank_loss = loss_sum * global_tokens / local_tokens.clamp(min=1)
         dist.all_reduce(loss_sum)
         dist.all_reduce(rank_loss, op=dist.ReduceOp.MAX)
-        return torch.stack([loss_sum, rank_loss, grad_norm.to(loss_sum.dtype)])
+        return torch.stack([loss_sum, rank_loss, grad_norm.to(loss_sum.dtype), counts[1].to(loss_sum.dtype)])
 
     def train(self, until_step: int | None = None) -> list[float]:
         """Train to training.steps (or stop after `until_step`, as a crash would); returns the losses.
 
-        A step's values (loss, grad norm) stay on the device and are read after the next step has been
-        queued, so the host never waits for the GPU between steps (except for validation, FP8 statistics
-        and synchronous saves); the last step's values are read when the loop ends."""
+        A step's values (loss, grad norm, stop votes) stay on the device and are read after the next step has
+        been queued (MetricsLogger), so the host never waits for the GPU between steps (except for validation,
+        FP8 statistics and synchronous saves). A stop request is seen in the values of a step that every rank
+        reads at the same point, so all ranks stop after the same step, save it, and exit 75."""
         t = self.cfg.training
         stop_at = min(until_step or t.steps, t.steps)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
-        self._pending = None
-        with SIGNALS.training() as preempt:
+        with SIGNALS.training(), self.profiler.loop(self.state.step + 1):
             self._data_iter = iter(self.dataloader)
-            self._last_end = DeviceValues.start(self.device)
+            self.metrics.start_loop()
             while self.state.step < stop_at:
                 step = self.state.step + 1
-                self.profiler.step_begin(step)
                 t0 = time.perf_counter()
                 microbatches, epoch = self._next_microbatches()
                 t_data = time.perf_counter() - t0
@@ -383,7 +419,7 @@ class Trainer:
                 try:
                     values = self.train_step(microbatches)
                 except torch.OutOfMemoryError as e:
-                    self._record_pending()
+                    self.metrics.flush()
                     snap = self.profiler.snapshot(f"oom-step-{step}")
                     raise out_of_memory(step, e, snap) from None
                 except RuntimeError as e:
@@ -394,61 +430,38 @@ class Trainer:
                 self.state.tokens_seen += self.tokens_per_step
                 if self.data_position is not None:
                     self.data_position.advance(self.global_batch, self.dataloader.dataset.n_windows)
-                self._record_pending()  # the previous step's values: its GPU work is done by now
-                self._pending = (DeviceValues(values, self.device), step, lr, epoch, t_data)
-                stop = preempt.requested_everywhere()
-                if self.checkpointer.due(step, stop):
-                    self._record_pending()  # a step's log line and TensorBoard values land before its checkpoint
-                self._log_checkpoint_times(self.checkpointer.step_end(step, stop=stop))
+                self.metrics.step_done(PendingStep(DeviceValues(values, self.device), step, lr, epoch, t_data,
+                                                   self.tokens_per_step // self.env.dp_world))
+                stop = self.metrics.stop_votes > 0
+                self.checkpointer.step_end(step, stop=stop)
                 self._periodic_metrics(step)
                 self.profiler.step_end(step)
                 if stop:
-                    self._record_pending()  # (already read when checkpointing is on)
+                    self.metrics.flush()
                     raise preempted(step, self.checkpointer.enabled)
-        self._record_pending()
-        self._log_checkpoint_times(self.checkpointer.flush())
+        self.metrics.flush()
+        self.checkpointer.flush()
         if self.state.step >= t.steps:
-            self._final_summary()
+            ck = self.checkpointer
+            saved = complete_steps(ck.folder) if ck.enabled else []
+            logger.info(self.metrics.summary(self.state.step, self.state.tokens_seen, self.tokens_per_step,
+                                             f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
+                                             "no checkpoints"))
         return self.losses
 
-    def _record_pending(self) -> None:
-        """Read the pending step's values from the device and log them (console, TensorBoard, losses)."""
-        if self._pending is None:
-            return
-        values, step, lr, epoch, t_data = self._pending
-        self._pending = None
-        loss, max_loss, gnorm = values.get()
-        step_time, self._last_end = values.seconds_since(self._last_end), values
-        self.losses.append(loss)
-        self.metrics.record(StepStats(step, loss, max_loss, gnorm, lr, self.tokens_per_step // self.env.dp_world,
-                                      step_time, t_data, epoch))
-
-    def _log_checkpoint_times(self, saves) -> None:
-        for rec in saves:
-            self.metrics.write({"checkpoint/stall_s": rec.stall_s, "checkpoint/save_s": rec.total_s}, rec.step)
+    def _log_save(self, rec) -> None:
+        self.metrics.write({"checkpoint/stall_s": rec.stall_s, "checkpoint/save_s": rec.total_s}, rec.step)
 
     def _periodic_metrics(self, step: int) -> None:
         """Values logged at their own frequency: validation loss, FP8 scaling statistics."""
         if self.validator is not None and self.validator.due(step):
-            self._record_pending()  # keep the console lines in step order
+            self.metrics.flush()  # the step's own line first
             val_loss = self.validator.run(self.train_model, self.loss_sum)
             self.metrics.write({"loss_metrics/validation_loss": val_loss}, step)
             logger.info(f"step {step:>6}  validation loss {val_loss:8.4f}")
         freq = self.cfg.metrics.fp8_stats_freq
         if self.fp8.enabled and freq and (step % freq == 0 or step == 1):
             self.metrics.write(fp8_stats(self.model), step)
-
-    def _final_summary(self) -> None:
-        m, ck = self.metrics, self.checkpointer
-        active, _ = memory_gib(self.device)
-        saved = complete_steps(ck.folder) if ck.enabled else []
-        where = f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else "no checkpoints"
-        tb = f"TensorBoard: tensorboard --logdir {m.tb_folder}" if m.writer is not None else "TensorBoard off"
-        wall = time.perf_counter() - m.started
-        logger.info(f"done: step {self.state.step} of {self.cfg.training.steps}, {self.state.tokens_seen:,} tokens in "
-                    f"the whole run; this process: {m.steps_done} steps, {m.steps_done * self.tokens_per_step:,} "
-                    f"tokens, {wall:.1f}s wall, {m.total_tokens / max(m.total_time, 1e-9):,.0f} tokens/s per rank, "
-                    f"peak memory {active:.2f} GiB; {where}; {tb}")
 
     def close(self) -> None:
         try:

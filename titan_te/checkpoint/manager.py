@@ -4,8 +4,8 @@
   fits this run, loads every part not in `exclude_from_loading` and adopts its lineage. A resume that
   would make later saves replace newer checkpoints is refused unless `checkpoint.replace_newer`.
 - `step_end(step, stop)` publishes a finished background save and starts the save that is due.
-- `before_optimizer_step()` (an optimizer pre-hook) waits until a background save has copied the
-  weights it is about to change.
+- its optimizer pre-hook (`before_optimizer_step`) waits until a background save has copied the
+  weights the step is about to change; `close()` waits for the save in flight.
 File-system actions run on rank 0 and their outcome is broadcast, so every rank takes the same path.
 """
 from __future__ import annotations
@@ -44,8 +44,12 @@ class SaveRecord:
 
 class CheckpointManager:
     def __init__(self, ckcfg, folder: Path, parts: dict[str, Part], env, facts: dict, total_steps: int,
-                 run_folder: Path | None = None):
+                 run_folder: Path | None = None, optimizer=None, before_save=None, on_saved=None):
+        """`optimizer`: its steps wait for a background save's copy of the weights (a pre-hook this manager
+        registers); `before_save()` runs right before a save starts (the trainer logs the step first);
+        `on_saved(record)` for every save published."""
         self.cfg, self.enabled = ckcfg, ckcfg.enable
+        self.before_save, self.on_saved = before_save or (lambda: None), on_saved or (lambda record: None)
         self.run_folder = str(Path(run_folder).resolve()) if run_folder else ""
         self.folder = Path(folder)
         self.parts, self.env, self.facts = parts, env, facts
@@ -57,7 +61,7 @@ class CheckpointManager:
         self._last_saved = -1
         self.failures_in_a_row = 0
         self.last_blocked_s = 0.0
-        self.pg = self.ctl_pg = self.stager = self._lock = None
+        self.pg = self.ctl_pg = self.stager = self._lock = self._hook = None
         self.resumed_from: fs.Manifest | None = None  # the manifest of the checkpoint this run resumed
         self.one_save_bytes = 0.0  # the size of one save, from check_space()
         if not self.enabled:
@@ -69,6 +73,8 @@ class CheckpointManager:
         if ckcfg.async_mode != "disabled":
             self.stager = Stager(env.device, pinned=ckcfg.async_mode == "async_with_pinned_mem")
         self._prepare_folder()
+        if optimizer is not None:
+            self._hook = optimizer.register_step_pre_hook(self.before_optimizer_step)
 
     def _on_rank0(self, fn):
         return on_rank0(fn, group=self.ctl_pg)
@@ -96,7 +102,13 @@ class CheckpointManager:
 
     # --- resuming ------------------------------------------------------------------------------------
     def resume(self) -> int:
-        """Load the chosen checkpoint; returns the step training continues after (0: from scratch)."""
+        """Load the chosen checkpoint and check that this run's saves fit their disk; returns the step
+        training continues after (0: from scratch)."""
+        step = self._resume()
+        self.check_space(self.parts["train_state"].train_state.step if "train_state" in self.parts else step)
+        return step
+
+    def _resume(self) -> int:
         if not self.enabled:
             return 0
         plan = self._on_rank0(self._plan)
@@ -313,6 +325,7 @@ class CheckpointManager:
         self._finish(wait=False)
         last = step >= self.total_steps
         if self.due(step, stop):
+            self.before_save()
             self.save(step, sync=last or stop or self.stager is None,
                       model_only=last and self.cfg.last_save_model_only)
         done, self._completed = self._completed, []
@@ -394,7 +407,9 @@ class CheckpointManager:
             return
         self._last_saved = step
         self.failures_in_a_row = 0
-        self._completed.append(SaveRecord(step, self.last_blocked_s, time.perf_counter() - t0))
+        record = SaveRecord(step, self.last_blocked_s, time.perf_counter() - t0)
+        self._completed.append(record)
+        self.on_saved(record)
         if self.rank == 0:
             how = " (background)" if background else ""
             logger.info(f"checkpoint: saved step {step} to {final} ({space.human(size)}) in "
@@ -447,6 +462,9 @@ class CheckpointManager:
             if self.stager is not None:
                 self.stager.close()
         finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             self.release()
 
 
