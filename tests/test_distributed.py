@@ -58,3 +58,22 @@ def test_initial_full_weights_identical_for_world_sizes_1_and_2(tmp_path):
     w = one["layers.0.layernorm_mlp.fc1_weight"]
     half = w.shape[0] // 2
     assert not torch.equal(w[:half], w[half:])
+
+
+def _mesh_places(rank, world):
+    from helpers import make_cfg
+    from titan_te.parallel.dims import ParallelDims
+    from titan_te.parallel.dist import init_distributed
+
+    cfg = make_cfg("/tmp", world=world, parallelism={"data_parallel": "hsdp", "data_parallel_replicate_degree": 2})
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    env = init_distributed("cpu", dims)
+    return ({n: env.mesh.get_local_rank(n) for n in dims.names}, dims.coordinates(rank), env.dp_rank, env.dp_world)
+
+
+def test_the_parallel_dims_place_every_rank_where_the_mesh_does():
+    """HSDP 2 x 2 on 4 gloo ranks: each rank's coordinates and data-parallel rank come from the one object that
+    built the mesh, and agree with the mesh itself."""
+    got = run_ranks(_mesh_places, 4)
+    assert [mesh for mesh, _, _, _ in got] == [coords for _, coords, _, _ in got]
+    assert [dp for _, _, dp, _ in got] == [0, 1, 2, 3] and {w for *_, w in got} == {4}

@@ -40,6 +40,7 @@ from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
+from titan_te.parallel.dims import ParallelDims
 from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
 from titan_te.errors import ConfigError, Interrupted, OutOfMemory, UserError
@@ -145,8 +146,8 @@ class Trainer:
         """1. Rendezvous, the process group and the data-parallel mesh."""
         SIGNALS.doing("joining the process group")
         self.device_type = resolve_device(t.device)
-        rep, shard = config_mod.dp_degrees(p, config_mod.world_size_from_env())
-        env = init_distributed(self.device_type, rep, shard, p.comm_timeout_s, p.rendezvous_timeout_s)
+        dims = ParallelDims.from_config(p, config_mod.world_size_from_env())
+        env = init_distributed(self.device_type, dims, p.comm_timeout_s, p.rendezvous_timeout_s)
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
         self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
@@ -195,8 +196,8 @@ class Trainer:
             raise ConfigError(f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), "
                               f"the {m.flavor} flavor's is {head_dim}; set --fp8.attention=false")
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
-        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device, self.env.mesh.size(1),
-                   local_world())
+        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device,
+                   self.env.dims.size("dp_shard"), local_world())
         logger.info(f"building the model ({self.model_args.num_params() / 1e6:,.1f} M parameters) on "
                     f"{self.device}")
         with torch.device("meta"):
@@ -248,7 +249,7 @@ class Trainer:
         SIGNALS.doing("resuming")
         env = self.env
         self.state = TrainState()
-        parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.rank,
+        parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.dp_rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
                                data_position=self.data_position)
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
@@ -313,7 +314,7 @@ class Trainer:
         shared = (f"; {SHARE_GPU}=1: every rank on {self.device} over gloo, a testing mode (slow, not for "
                   f"training)") if self.env.shared_gpu else ""
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
-                    f"(replicate {self.env.mesh.size(0)} x shard {self.env.mesh.size(1)}), device {self.device}{shared}")
+                    f"({' x '.join(f'{n} {s}' for n, s in self.env.dims.dims)}), device {self.device}{shared}")
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
                     f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
                     f"{self.model_args.flops_per_token(t.seq_len) * self.tokens_per_step / 1e12:,.2f} TFLOP per step")

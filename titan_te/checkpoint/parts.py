@@ -264,12 +264,12 @@ class RNGPart(PerRankPart):
             torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, rank: int, dp_world: int,
+def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, dp_rank: int, dp_world: int,
                    export_dtype: torch.dtype | None = None, data_position=None) -> dict[str, Part]:
     """The parts of a training run, in the order they are saved and restored."""
     parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
                          LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
-                         DataLoaderPart(dataloader, rank, data_position), RNGPart(rank)]
+                         DataLoaderPart(dataloader, dp_rank, data_position), RNGPart(dp_rank)]
     fp8 = FP8Part(model)
     if fp8.present():
         parts.append(fp8)

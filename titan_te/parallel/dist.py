@@ -8,9 +8,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from titan_te.errors import ConfigError, UserError
 from titan_te.parallel import rendezvous
+from titan_te.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -18,7 +19,8 @@ class DistEnv:
     rank: int
     world_size: int
     device: torch.device
-    mesh: DeviceMesh  # 2-D: ("dp_replicate", "dp_shard")
+    dims: ParallelDims  # every parallel dimension; the mesh is built from all of them
+    mesh: DeviceMesh
     shared_gpu: bool = False  # TITAN_TE_SHARE_GPU: every rank on cuda:0 over gloo (a testing mode)
 
     @property
@@ -27,11 +29,12 @@ class DistEnv:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank  # only data parallelism: every rank holds its own slice of the batch
+        """The slice of the global batch this rank reads (and the key of its per-rank checkpoint state)."""
+        return self.dims.dp_rank(self.rank)
 
     @property
     def dp_world(self) -> int:
-        return self.world_size
+        return self.dims.dp_world
 
 
 SHARE_GPU = "TITAN_TE_SHARE_GPU"
@@ -47,10 +50,10 @@ def shared_gpu() -> bool:
     return raw == "1"
 
 
-def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: int = 1800,
+def init_distributed(device_type: str, dims: ParallelDims, timeout_s: int = 1800,
                      rendezvous_timeout_s: int = 300) -> DistEnv:
     """Meet the other ranks (rendezvous.join: a short, stated wait), join the process group and build the
-    data-parallel mesh."""
+    mesh of every parallel dimension."""
     store, rank, world = rendezvous.join(rendezvous_timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     share = shared_gpu() and device_type == "cuda"
@@ -69,8 +72,8 @@ def init_distributed(device_type: str, replicate: int, shard: int, timeout_s: in
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return DistEnv(rank=rank, world_size=world, device=device, mesh=mesh, shared_gpu=share)
+    return DistEnv(rank=rank, world_size=world, device=device, dims=dims, mesh=dims.build_mesh(device_type),
+                   shared_gpu=share)
 
 
 def shutdown(clean: bool = True) -> None:
