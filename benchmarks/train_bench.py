@@ -184,7 +184,7 @@ def child_peer(a, opts: dict) -> dict:
     from peer_llama import build_peer, peer_step
 
     from titan_te.metrics import causal_flops_per_token
-    from titan_te.models.llama import resolve_args
+    from titan_te.models.llama import FLAVORS, resolve_args
 
     _, flavor, batch = PRESETS[a.size]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -193,7 +193,7 @@ def child_peer(a, opts: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    args = resolve_args(a.flavor or flavor, VOCAB, a.seq_len, a.n_layers)
+    args = resolve_args(FLAVORS[a.flavor or flavor], VOCAB, a.seq_len, a.n_layers)
     model, opt = build_peer(args, opts["float8"], opts["bf16_state"], device)
     g = torch.Generator(device=device).manual_seed(0)
     data = torch.randint(0, args.vocab_size, (batch, a.seq_len + 1), device=device, generator=g)

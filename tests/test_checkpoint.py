@@ -451,7 +451,7 @@ def test_a_checkpoint_of_another_shape_names_what_differs_and_no_older_step_with
     assert f"checkpoint {ck / 'step-10'} does not fit this run" in msg
     assert "model.n_layers is 4 in the checkpoint, 2 in this run" in msg
     assert "corrupt" not in msg and "load_step" not in msg  # step-5 has 4 layers too: not suggested
-    msg = _refused(tmp_path, 12, optimizer={"moment_dtype": "bfloat16"})
+    msg = _refused(tmp_path, 12, optimizer={"name": "fused_adam", "moment_dtype": "bfloat16"})
     assert "optimizer.moment_dtype is 'float32' in the checkpoint, 'bfloat16' in this run" in msg
     assert "--checkpoint.exclude_from_loading=optimizer" in msg
     # the tensors are compared too, not only the manifest's facts: with facts that claim 2 layers, the
@@ -505,3 +505,15 @@ def test_a_changed_sequence_length_restarts_the_data_order_with_a_warning(tmp_pa
     log = (tmp_path / "t/logs/rank0.log").read_text()
     assert "the order of the data changed since the checkpoint (windows" in log and "seq_len 32 -> 64" in log
     assert "training goes on from the start of epoch 1 in the new order" in log
+
+
+def test_the_checkpoint_facts_are_the_chosen_optimizers(tmp_path):
+    """sgd's checkpoint records no Adam options (they were recorded for every optimizer)."""
+    import json
+
+    run_ranks(_run, 1, str(tmp_path), "disabled", 5, {"optimizer": {"name": "sgd"}})
+    facts = json.loads((tmp_path / "t/checkpoint/step-5/titan_te.json").read_text())["facts"]
+    assert facts["optimizer"] == {"name": "sgd"}
+    run_ranks(_run, 1, str(tmp_path / "adam"), "disabled", 5, {"optimizer": {"name": "fused_adam"}})
+    facts = json.loads((tmp_path / "adam/t/checkpoint/step-5/titan_te.json").read_text())["facts"]
+    assert facts["optimizer"] == {"name": "fused_adam", "moment_dtype": "float32", "master_weights": True}

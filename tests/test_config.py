@@ -1,15 +1,12 @@
+import dataclasses
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 from titan_te import config as C
-
-try:
-    import tomllib
-except ModuleNotFoundError:
-    import tomli as tomllib
 
 from conftest import ROOT
 
@@ -90,7 +87,7 @@ def test_help_lists_every_option():
     r = train("--help")
     assert r.returncode == 0
     for section, cls in C.sections().items():
-        for f in C.dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):
             assert f"--{section}.{f.name} (" in r.stdout
     assert "--training.steps (int, default 200)" in r.stdout
     assert "gradient accumulation" in r.stdout  # docs are shown
@@ -187,3 +184,26 @@ def test_the_optimizer_receives_its_own_options(tmp_path):
     assert (m0, m9) == (0.0, 0.9)
     assert plain[0] == heavy[0] and plain[1] == heavy[1]  # momentum acts from the second update on
     assert plain[3] != pytest.approx(heavy[3], rel=1e-4)
+
+
+def test_an_option_the_chosen_optimizer_does_not_read_is_refused_and_help_says_who_reads_it(capsys):
+    from titan_te.main import main
+
+    capsys.readouterr()
+    assert main(["--optimizer.name=sgd", "--optimizer.beta1=0.8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: optimizer.beta1 is not an option of sgd, which reads optimizer.lr, "
+                          "optimizer.weight_decay; its own options: [optimizer.sgd]"), err
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--optimizer.moment_dtype (str" in out and "read by: fused_adam, te_fused_adam" in out
+    assert "--optimizer.beta1 (float" in out and "read by: adamw, fused_adam, te_fused_adam" in out
+
+
+def test_a_model_familys_own_rules_run_with_the_config(capsys):
+    """Llama's rule (FP8 attention needs head_dim 128) is on its spec and runs before anything is built."""
+    from titan_te.main import main
+
+    capsys.readouterr()
+    assert main(["--fp8.enable=true", "--fp8.attention=true"]) == 2
+    assert "the debug flavor's is 32; set --fp8.attention=false" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def test_bf16_moments_are_stored_in_bf16_and_close_to_fp32_moments():
 
 
 def test_unsupported_combinations_are_refused_with_the_option_named():
-    from titan_te.config import ConfigError
+    from titan_te.errors import ConfigError
     from titan_te.optim.fused_adam import FusedAdam
 
     low = _model().to(torch.bfloat16)

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from helpers import make_cfg, run_ranks
 from titan_te.init_weights import init_weights
+from titan_te.models import MODELS
 from titan_te.models.llama import FLAVORS, Llama, resolve_args, rope_angles
 from titan_te.layers.torch_block import TorchBlock, apply_rope
 
@@ -22,7 +23,7 @@ TE_BLOCK_NAMES = {  # TransformerLayer(fuse_qkv_params=True, bias=False, normali
 
 
 def tiny_model(seed=0, **kw):
-    args = resolve_args("debug", 320, 64, n_layers=2)
+    args = resolve_args(FLAVORS["debug"], 320, 64, n_layers=2)
     model = Llama(args, TorchBlock)
     init_weights(model, model.init_rule, seed, torch.device("cpu"))
     return model
@@ -208,10 +209,10 @@ def _tiny_weights(rank, world, tmp, hf_folder):
 def test_flavors_with_a_fixed_vocabulary_refuse_a_bigger_tokenizer():
     from titan_te.errors import ConfigError
 
-    assert resolve_args("1B", 258, 128).vocab_size == 128_256  # the byte tokenizer keeps Llama 3's head
-    with pytest.raises(ConfigError, match="the tokenizer has 200,064 ids .* the 1B flavor's embedding and output "
-                                          "head have 128,256 rows"):
-        resolve_args("1B", 200_064, 128)
+    assert resolve_args(FLAVORS["1B"], 258, 128).vocab_size == 128_256  # the byte tokenizer keeps Llama 3's head
+    with pytest.raises(ConfigError, match="model.flavor = '1B': the tokenizer has 200,064 ids .* this flavor's "
+                                          "embedding and output head have 128,256 rows"):
+        MODELS.get("llama3").args_for("1B", 200_064, 128)
 
 
 def test_megatrons_count_halves_causal_attention_and_gives_its_published_figure():

@@ -46,5 +46,5 @@ def test_every_registry_entry_answers_for_its_name_and_capabilities():
     low = type("O", (), {"moment_dtype": "bfloat16", "master_weights": True})()
     assert OPTIMIZERS.get("fused_adam").state_bytes(low, True) == 8 and OPTIMIZERS.get("adamw").state_bytes(low, True) == 8
     assert [LR_DECAYS.get(n)(0.5) for n in ("cosine", "linear", "constant")] == [0.5, 0.5, 1.0]
-    args = MODELS.get("llama3").resolve_args("debug", 320, 64, 2)
+    args = MODELS.get("llama3").args_for("debug", 320, 64, 2)
     assert (args.vocab_size, args.n_layers) == (320, 2)

@@ -12,9 +12,9 @@ def _te_and_torch_models(document_mask: bool = False):
     from titan_te.layers import BACKENDS
     from titan_te.layers.te_block import te_block, te_materialize
     from titan_te.layers.torch_block import TorchBlock
-    from titan_te.models.llama import Llama, resolve_args
+    from titan_te.models.llama import FLAVORS, Llama, resolve_args
 
-    args = resolve_args("debug", 320, 128, n_layers=2)
+    args = resolve_args(FLAVORS["debug"], 320, 128, n_layers=2)
     dev = torch.device("cuda")
     masks = {name: BACKENDS.get(name).document_mask if document_mask else None for name in ("torch", "te")}
     ref = Llama(args, TorchBlock, masks["torch"]).to(dev)

@@ -60,8 +60,8 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
-def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> TinyArgs:
-    args = replace(FLAVORS[flavor], vocab_size=vocab_size)
+def resolve_args(args: "TinyArgs", vocab_size: int, seq_len: int, n_layers: int = 0) -> TinyArgs:
+    args = replace(args, vocab_size=vocab_size)
     return replace(args, n_layers=n_layers) if n_layers else args
 
 

@@ -73,7 +73,7 @@ def _model(cfg, vocab: int):
     from titan_te.models import MODELS
 
     spec = MODELS.get(cfg.model.name)
-    args = spec.resolve_args(cfg.model.flavor, padded_vocab(vocab), cfg.training.seq_len, cfg.model.n_layers)
+    args = spec.args_for(cfg.model.flavor, padded_vocab(vocab), cfg.training.seq_len, cfg.model.n_layers)
     with torch.device("meta"):
         model = spec.build(args, "torch")
     return spec, args, model

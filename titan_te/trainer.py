@@ -190,11 +190,7 @@ class Trainer:
         logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
         self.fp8 = FP8Context(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_spec = spec = MODELS.get(m.name)
-        self.model_args = spec.resolve_args(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
-        head_dim = getattr(self.model_args, "head_dim", None)
-        if f.attention and head_dim not in (None, 128):
-            raise ConfigError(f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), "
-                              f"the {m.flavor} flavor's is {head_dim}; set --fp8.attention=false")
+        self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
         check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device,
                    self.env.dims.size("dp_shard"), local_world())
@@ -288,7 +284,7 @@ class Trainer:
         identity = getattr(tok, "identity", None) or {"kind": self.cfg.data.tokenizer, "vocab_size": tok.vocab_size}
         return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
                           "dim": a.dim, "vocab_size": a.vocab_size},
-                "optimizer": {"name": o.name, "moment_dtype": o.moment_dtype, "master_weights": o.master_weights},
+                "optimizer": {"name": o.name, **OPTIMIZERS.get(o.name).facts(o)},
                 "tokenizer": dict(identity), "settings": self.cfg.settings(),
                 "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,
                            "bos_id": int(tok.bos_id), "eos_id": int(tok.eos_id)}}

@@ -3,8 +3,9 @@
 A family registers (usually from a module named by `job.custom_import`):
 - `flavors`: flavor name -> args; the args answer `num_params()`, `flops_per_token(seq_len)` and carry
   `n_layers`, `dim`, `vocab_size` (checkpoint facts and the start-up summary);
-- `resolve_args(flavor, vocab_size, seq_len, n_layers)`: the args of one run (the tokenizer's padded
-  vocabulary, the sequence length, an optional block-count override);
+- `resolve_args(flavor_args, vocab_size, seq_len, n_layers)`: the args of one run from its flavor's args
+  (the tokenizer's padded vocabulary, the sequence length, an optional block-count override), so another
+  family can reuse an architecture with flavors of its own; `args_for(flavor, ...)` calls it;
 - `build(args, backend, document_mask=, fp8=, params_dtype=)`: the module, called under the meta
   device; it follows `Model` below;
 - `hf`: the module name of an optional Hugging Face adapter (export and `checkpoint.initial_load_path`),
@@ -15,7 +16,9 @@ A family registers (usually from a module named by `job.custom_import`):
   valid tokens itself (a fused head that never builds the logits); otherwise the trainer computes it
   from the returned logits;
 - `fp8_head`: the fused head runs in FP8 when `fp8.head` asks (build receives `fp8=` and reads
-  `fp8.cfg.head`).
+  `fp8.cfg.head`);
+- `check(cfg)`: the family's own rules on the config (e.g. a head size some kernel needs), run with the
+  config's validation, before anything is built: a problem's text, or "".
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ class ModelSpec:
     name: str
     flavors: dict[str, Any]  # flavor name -> model args dataclass
     build: Callable[..., Any]  # build(args, backend_name, **kw) -> nn.Module (call under the meta device)
-    resolve_args: Callable[[str, int, int, int], Any]  # (flavor, vocab_size, seq_len, n_layers) -> args
+    resolve_args: Callable[[Any, int, int, int], Any]  # (flavor's args, vocab_size, seq_len, n_layers) -> args
     hf: str | None = None  # the adapter module (see above); None: no HF export or import
     computes_loss: bool = False  # forward(tokens, labels=...) returns the summed cross-entropy
     fp8_head: bool = False  # its fused head honours fp8.head
@@ -63,6 +66,16 @@ class ModelSpec:
     # one unit (called as modules, so FSDP's hooks run); the root takes the rest. Data parallelisms that
     # shard receive it. Llama's: embedding, blocks, [norm, output]
     fsdp_units: Callable[[Any], list] = blocks
+    check: Callable[[Any], str] | None = None  # check(cfg) -> a problem with the config, or ""
+
+    def args_for(self, flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0):
+        """The args of one run of `flavor` (a ConfigError of resolve_args names the flavor)."""
+        from titan_te.errors import ConfigError
+
+        try:
+            return self.resolve_args(self.flavors[flavor], vocab_size, seq_len, n_layers)
+        except ConfigError as e:
+            raise ConfigError(f"model.flavor = {flavor!r}: {e.msg}") from None
 
 
 MODELS: Registry[ModelSpec] = Registry("model")

@@ -176,14 +176,15 @@ def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **bl
     return model
 
 
-def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:
-    args = FLAVORS[flavor]
+def resolve_args(args: LlamaArgs, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:
+    """One run's args from a flavor's: vocabulary 0 follows the tokenizer, a larger tokenizer than the
+    flavor's embedding is refused, `n_layers` overrides, the RoPE tables cover seq_len."""
     if args.vocab_size == 0:
         args = replace(args, vocab_size=vocab_size)
     elif vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size:,} ids (padded), but the {flavor} flavor's embedding and "
-                          f"output head have {args.vocab_size:,} rows; use a tokenizer with at most "
-                          f"{args.vocab_size:,} ids, or the debug flavor (its vocabulary follows the tokenizer)")
+        raise ConfigError(f"the tokenizer has {vocab_size:,} ids (padded), but this flavor's embedding and output "
+                          f"head have {args.vocab_size:,} rows; use a tokenizer with at most {args.vocab_size:,} ids, "
+                          f"or the debug flavor (its vocabulary follows the tokenizer)")
     if n_layers:
         args = replace(args, n_layers=n_layers)
     if seq_len > args.max_seq_len:
@@ -191,6 +192,15 @@ def resolve_args(flavor: str, vocab_size: int, seq_len: int, n_layers: int = 0) 
     return args
 
 
+def check(cfg) -> str:
+    """Llama's rules on the config: TE's FP8 attention (cuDNN) takes head_dim 128 only."""
+    head_dim = FLAVORS[cfg.model.flavor].head_dim
+    if cfg.fp8.attention and head_dim != 128:
+        return (f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), the "
+                f"{cfg.model.flavor} flavor's is {head_dim}; set --fp8.attention=false")
+    return ""
+
+
 MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
                                     hf="titan_te.hf_io", computes_loss=True, fp8_head=True,
-                                    fsdp_units=fsdp_units))
+                                    fsdp_units=fsdp_units, check=check))

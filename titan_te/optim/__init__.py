@@ -11,6 +11,15 @@ def adam_state_bytes(ocfg, low_precision_weights: bool) -> float:
     return moments + (4 if ocfg.master_weights and low_precision_weights else 0)
 
 
+ADAM = ("lr", "weight_decay", "beta1", "beta2", "eps")
+LEAN_ADAM = ADAM + ("master_weights", "moment_dtype", "store_param_remainders")
+
+
+def adam_facts(ocfg) -> dict:
+    """What an Adam checkpoint's state depends on (another value cannot load into it)."""
+    return {"moment_dtype": ocfg.moment_dtype, "master_weights": ocfg.master_weights}
+
+
 @dataclass
 class OptimizerSpec:
     name: str
@@ -22,6 +31,9 @@ class OptimizerSpec:
     # seeds its FP32 masters from the pre-quantization init values (fp8.preserve_high_precision_init)
     takes_high_precision_init: bool = False
     options: type | None = None  # a dataclass of opt() fields: this optimizer's own [optimizer.<name>] section
+    reads: tuple[str, ...] = ADAM  # the shared [optimizer] options it uses (--help says so; others are refused)
+    # facts(optimizer_cfg) -> what its checkpointed state depends on (kept in the manifest, checked on resume)
+    facts: Callable = adam_facts
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError
-from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
 from titan_te import triton_support
 from titan_te.optim import triton_adam
 from titan_te.optim.param_groups import decay_groups
@@ -394,4 +394,4 @@ def build_fused_adam(named_params, ocfg, device_type: str) -> FusedAdam:
 
 
 OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam,
-                                                  takes_high_precision_init=True))
+                                                  takes_high_precision_init=True, reads=LEAN_ADAM + ("triton",)))

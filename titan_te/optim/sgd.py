@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_te.config import FRACTION, UNIT_OPEN, opt
+from titan_te.config.schema import FRACTION, UNIT_OPEN, opt
 from titan_te.optim import OPTIMIZERS, OptimizerSpec
 from titan_te.optim.param_groups import decay_groups
 
@@ -28,4 +28,5 @@ def build_sgd(named_params, ocfg, device_type: str, options: SGDOptions) -> torc
 
 
 OPTIMIZERS.register("sgd")(OptimizerSpec(name="sgd", build=build_sgd, options=SGDOptions,
-                                            state_bytes=lambda ocfg, low_precision: 4.0))  # the momentum buffer
+                                            state_bytes=lambda ocfg, low_precision: 4.0,  # the momentum buffer
+                                            reads=("lr", "weight_decay"), facts=lambda ocfg: {}))

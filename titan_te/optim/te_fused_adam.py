@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_te.optim import OPTIMIZERS, OptimizerSpec
+from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
 from titan_te.optim.fused_adam import local_tensor
 from titan_te.optim.param_groups import decay_groups
 
@@ -24,4 +24,5 @@ def build_te_fused_adam(named_params, ocfg, device_type: str):
     return opt
 
 
-OPTIMIZERS.register("te_fused_adam")(OptimizerSpec(name="te_fused_adam", build=build_te_fused_adam))
+OPTIMIZERS.register("te_fused_adam")(OptimizerSpec(name="te_fused_adam", build=build_te_fused_adam,
+                                                     reads=LEAN_ADAM))

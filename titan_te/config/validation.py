@@ -1,0 +1,268 @@
+"""Validating a config: every value against its option's rules, every combination, and the rules of the
+chosen components (a model family's `check`, an optimizer's `reads` and options), all before any heavy work."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import traceback
+from typing import Any
+
+from titan_te.config.schema import (Config, Parallelism, _closest, _coerce, _fields, _registry, _registry_fields,
+                                    _type_of, number, sections)
+from titan_te.errors import ConfigError
+from titan_te.paths import RUN_FOLDER_ROOM, check_path
+
+
+def _check_fp8_head(cfg, where: str) -> None:
+    from titan_te.models import MODELS
+
+    ask = f"fp8.head = '{cfg.fp8.head}'"
+    if not cfg.fp8.enable:
+        raise ConfigError(f"{ask} needs fp8.enable = true; or set --fp8.head=off {where}")
+    if not MODELS.get(cfg.model.name).fp8_head:
+        raise ConfigError(f"{ask}: model {cfg.model.name} has no FP8 output head; set --fp8.head=off {where}")
+    if not cfg.model.fused_loss:
+        raise ConfigError(f"{ask} runs inside the fused head, which model.fused_loss = false turns off {where}")
+
+
+def world_size_from_env() -> int:
+    raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"WORLD_SIZE={raw!r} in the environment is not a number of processes >= 1")
+    return int(raw)
+
+
+def _custom_import(module: str, where: str) -> None:
+    """Import the user's module; what it raises is the user's to fix: one line naming file and line."""
+    try:
+        importlib.import_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"job.custom_import: {e.filename}:{e.lineno}: SyntaxError: {e.msg} {where}") from None
+    except ImportError as e:
+        raise ConfigError(f"job.custom_import: cannot import '{module}': {e} {where}") from None
+    except Exception as e:  # noqa: BLE001 -- the user's module raised while importing: reported, exit 2
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"job.custom_import: importing '{module}' raised {type(e).__name__}: {e} "
+                          f"({frame.filename}:{frame.lineno}) {where}") from None
+
+
+def _check_job_name(name: str, where: str) -> None:
+    """The run folder must be one folder inside job.dump_folder, never the dump folder or outside it."""
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ConfigError(f"job.name = {name!r} must be a plain folder name (no '/', not empty, '.' or '..'): "
+                          f"the run folder is <job.dump_folder>/<job.name> {where}")
+
+
+def _component_spec(section: str, name: str):
+    """The registry entry `name` of one of the section's registries (e.g. OPTIMIZERS for [optimizer]), or None."""
+    for spec in _registry_fields(sections()[section]):
+        reg = _registry(spec)
+        if name in reg:
+            return reg.get(name)
+    return None
+
+
+def component_options(cfg: Config, section: str, name: str, where: str = ""):
+    """The options object of the registered component `name` of [section] (its spec's `options`
+    dataclass, defaults overridden by [section.<name>]), or None when it declares none."""
+    spec = _component_spec(section, name)
+    cls = getattr(spec, "options", None)
+    if cls is None:
+        return None
+    out = cls()
+    flds = _fields(cls)
+    for key, (value, set_where) in cfg.components.get(f"{section}.{name}", {}).items():
+        if key not in flds:
+            raise ConfigError(f"unknown key {section}.{name}.{key}{_closest(key, list(flds))}; {name}'s options: "
+                              f"{', '.join(flds)} ({set_where})")
+        setattr(out, key, _coerce(value, _type_of(cls, key), f"{section}.{name}.{key}", set_where))
+    for key, f in flds.items():
+        _check_field(f"{section}.{name}.{key}", f, getattr(out, key), where)
+    problem = out.check() if hasattr(out, "check") else ""
+    if problem:
+        raise ConfigError(f"[{section}.{name}]: {problem} {where}")
+    return out
+
+
+def _check_components(cfg: Config, where: str) -> None:
+    for dotted in cfg.components:
+        section, name = dotted.split(".", 1)
+        spec = _component_spec(section, name)
+        if spec is None:
+            names = [n for r in _registry_fields(sections()[section]) for n in _registry(r).names()]
+            raise ConfigError(f"[{dotted}]: no registered component of [{section}] is named {name!r}"
+                              f"{_closest(name, names)} {where}")
+        if getattr(spec, "options", None) is None:
+            raise ConfigError(f"[{dotted}]: {name} declares no options of its own {where}")
+        component_options(cfg, section, name, where)
+
+
+def validate(cfg: Config, source: str, hardware: bool = True) -> None:
+    """Check every value and every combination; all errors surface here, before heavy work."""
+    where = f"(in {source} or the command line)"
+    if cfg.job.custom_import:
+        _custom_import(cfg.job.custom_import, where)
+    _check_job_name(cfg.job.name, where)
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for name, f in _fields(cls).items():
+            value = getattr(body, name)
+            key = f"{section}.{name}"
+            if f.metadata.get("choices") and value not in f.metadata["choices"]:
+                raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"
+                                  f"{_closest(str(value), list(f.metadata['choices']))} {where}")
+            if f.metadata.get("registry"):
+                reg = _registry(f.metadata["registry"])
+                for item in value if isinstance(value, list) else [value]:
+                    if item not in reg and not (key == "model.backend" and item == "auto"):
+                        raise ConfigError(f"{key}: {reg.miss_message(str(item))} {where}")
+    _check_values(cfg, where)
+    _check_components(cfg, where)
+    _check_read_options(cfg, where)
+    if hardware:
+        from titan_te.hardware import check_hardware  # local import: keeps config light
+
+        check_hardware(cfg, where)
+
+
+def _check_read_options(cfg: Config, where: str) -> None:
+    """An option typed on the command line that the chosen component does not read is a mistake (e.g.
+    --optimizer.beta1 with sgd); one set in a file may serve another choice (a preset, its optimizer
+    overridden) and stays."""
+    spec = _component_spec("optimizer", cfg.optimizer.name)
+    reads = getattr(spec, "reads", None)
+    if reads is None:
+        return
+    for key, set_where in cfg.origins.items():
+        section, name = key.split(".", 1)
+        if section == "optimizer" and name != "name" and name not in reads and set_where == "on the command line":
+            own = f"; its own options: [optimizer.{spec.name}]" if getattr(spec, "options", None) else ""
+            raise ConfigError(f"optimizer.{name} is not an option of {spec.name}, which reads "
+                              f"{', '.join('optimizer.' + r for r in reads)}{own} (on the command line)")
+
+
+def readers(section: str, key: str) -> list[str]:
+    """The registered components of [section] that read its option `key` (for --help)."""
+    out = []
+    for spec_ref in _registry_fields(sections()[section]):
+        reg = _registry(spec_ref)
+        out += [n for n in reg.names() if key in (getattr(reg.get(n), "reads", None) or (key,))]
+    return out
+
+
+def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None:
+    """A value within its option's choices and bounds; no float option takes NaN or inf; a path the OS
+    can take."""
+    if f.metadata.get("path") and isinstance(value, str):
+        check_path(key, value, where)
+    if f.metadata.get("choices") and value not in f.metadata["choices"]:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"
+                          f"{_closest(str(value), list(f.metadata['choices']))} {where}")
+    b = f.metadata.get("bounds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value} {where}")
+    if b is not None and not b.holds(value):
+        raise ConfigError(f"{key} must be {b.text()}, got {number(value)} {where}")
+
+
+def _check_bounds(cfg: Config, where: str) -> None:
+    """Every value within its option's bounds (no float option takes NaN or inf, every path one the OS
+    can take); the folders inside the run folder with room for the files the run writes there."""
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for name, f in _fields(cls).items():
+            _check_field(f"{section}.{name}", f, getattr(body, name), where)
+    check_path("job.dump_folder / job.name", str(cfg.run_folder), where, RUN_FOLDER_ROOM)
+    for section, cls in sections().items():
+        for name, f in _fields(cls).items():
+            if f.metadata.get("path") == "run":
+                check_path(f"{section}.{name}", str(cfg.run_folder / getattr(getattr(cfg, section), name)), where,
+                           RUN_FOLDER_ROOM)
+
+
+def _check_values(cfg: Config, where: str) -> None:
+    t = cfg.training
+    _check_bounds(cfg, where)
+    for step in cfg.profiling.memory_snapshot_steps:
+        if not isinstance(step, int) or step < 1:
+            raise ConfigError(f"profiling.memory_snapshot_steps holds step numbers >= 1, got {step!r} {where}")
+    if cfg.fp8.params and not cfg.fp8.enable:
+        raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
+                          f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
+    if cfg.fp8.attention:
+        from titan_te.fp8 import RECIPES
+
+        if not cfg.fp8.enable:
+            raise ConfigError(f"fp8.attention = true needs fp8.enable = true {where}")
+        if RECIPES.get(cfg.fp8.recipe).fp8_attention is None:
+            able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention is not None)
+            raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
+                              f"with it: {able} {where}")
+    for idx in cfg.fp8.bf16_layers:
+        if not isinstance(idx, int):
+            raise ConfigError(f"fp8.bf16_layers holds block indices (ints), got {idx!r} {where}")
+
+    from titan_te.models import MODELS
+
+    flavors = MODELS.get(cfg.model.name).flavors
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor = '{cfg.model.flavor}' is not a flavor of {cfg.model.name}"
+                          f"{_closest(cfg.model.flavor, list(flavors))}; valid: {', '.join(flavors)} {where}")
+    if cfg.fp8.head != "off":
+        _check_fp8_head(cfg, where)
+    problem = MODELS.get(cfg.model.name).check(cfg) if MODELS.get(cfg.model.name).check else ""
+    if problem:
+        raise ConfigError(f"{problem} {where}")
+
+    world = world_size_from_env()
+    p = cfg.parallelism
+    dp = dp_degrees(p, world, where)
+    per_step = t.local_batch_size * dp[0] * dp[1]
+    gbs = t.global_batch_size if t.global_batch_size > 0 else per_step
+    if t.global_batch_size == 0 or t.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size must be > 0 or -1, got {t.global_batch_size} {where}")
+    if gbs % per_step:
+        raise ConfigError(f"training.global_batch_size = {gbs} is not divisible by local_batch_size x "
+                          f"data-parallel degree = {t.local_batch_size} x {dp[0] * dp[1]} = {per_step} {where}")
+    if cfg.model.fuse_wgrad_accumulation:
+        why = ("TE then writes each weight gradient into param.main_grad instead of param.grad, so FSDP2 never "
+               "reduce-scatters it and every rank would step on its own unreduced gradient"
+               if _registry("titan_te.parallel:PARALLELISMS").get(p.data_parallel).reduces_grads_itself else
+               "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
+        raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
+                          f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
+    if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
+        raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
+                          f"{cfg.checkpoint.load_step} {where}")
+
+
+def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:
+    """(replicate, shard) degrees of the data-parallel mesh for `world` ranks."""
+    rep = p.data_parallel_replicate_degree
+    if rep < 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree must be >= 1, got {rep} {where}")
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        if world % rep:
+            raise ConfigError(f"world size {world} is not divisible by parallelism.data_parallel_replicate_degree"
+                              f" = {rep} {where}")
+        shard = world // rep
+    if shard < 1:
+        raise ConfigError(f"parallelism.data_parallel_shard_degree must be >= 1 or -1, got {shard} {where}")
+    if rep * shard != world:
+        raise ConfigError(f"parallelism: replicate x shard degree = {rep} x {shard} must equal the world size "
+                          f"{world} {where}")
+    registry = _registry("titan_te.parallel:PARALLELISMS")
+    spec = registry.get(p.data_parallel)
+    if not spec.multi_process and world > 1:
+        multi = ", ".join(n for n in registry.names() if registry.get(n).multi_process)
+        raise ConfigError(f"parallelism.data_parallel = '{p.data_parallel}' runs on one process, but the world size "
+                          f"is {world}; use {multi} {where}")
+    if not spec.replicates and rep > 1:
+        takes = " or ".join(f"'{n}'" for n in registry.names() if registry.get(n).replicates)
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {rep} needs data_parallel = {takes} {where}")
+    return rep, shard
