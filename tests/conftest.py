@@ -77,3 +77,14 @@ def without_root_override(argv: list[str]) -> list[str]:
     """argv run as root without the capabilities that let root read and write anything (chmod 000 then
     means what it means for every other user)."""
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--", *argv]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_runs_leave_no_checkpoints(request):
+    """A GPU test's 1B-wide checkpoints take gigabytes each, and the GPU files run side by side on one disk:
+    a GPU test's folder goes when the test ends, pass or fail."""
+    yield
+    if "gpu" in request.keywords and "tmp_path" in request.fixturenames:
+        import shutil
+
+        shutil.rmtree(request.getfixturevalue("tmp_path"), ignore_errors=True)

@@ -69,13 +69,16 @@ def run_ranks(fn, world: int, *args):
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_entry, args=(world, free_port(), fn, args, out), nprocs=world, join=True,
                            start_method="forkserver")
-        results = []
-        for r in range(world):
-            status, value = pickle.loads(Path(out, f"{r}.pkl").read_bytes())
-            if status != "ok":
-                raise AssertionError(f"rank {r} failed: {value}")
-            results.append(value)
-        return results
+        outcomes = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world)]
+    failed = [(r, value) for r, (status, value) in enumerate(outcomes) if status != "ok"]
+    if failed:
+        # the rank that failed first is the one whose peers did not close on it
+        failed.sort(key=lambda f: any(word in f[1] for word in CLOSED))
+        raise AssertionError("\n".join(f"rank {r} failed: {value}" for r, value in failed))
+    return [value for _, value in outcomes]
+
+
+CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def entries(folder) -> list[str]:

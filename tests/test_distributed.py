@@ -77,3 +77,22 @@ def test_the_parallel_dims_place_every_rank_where_the_mesh_does():
     got = run_ranks(_mesh_places, 4)
     assert [mesh for mesh, _, _, _ in got] == [coords for _, coords, _, _ in got]
     assert [dp for _, _, dp, _ in got] == [0, 1, 2, 3] and {w for *_, w in got} == {4}
+
+
+def test_weights_that_gather_themselves_need_rows_that_divide_by_the_shard_count():
+    """TE's FP8 weights hand FSDP2 their shard unpadded; FSDP2 then fails on the short ranks only (the others
+    wait), so an uneven split is refused before any collective. Plain weights are padded by FSDP2: allowed."""
+    from titan_te.errors import ConfigError
+    from titan_te.parallel.data_parallel import check_even_shards
+
+    class GathersItself(torch.Tensor):
+        def fsdp_pre_all_gather(self, *args):
+            raise AssertionError("not called by the check")
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 9), torch.nn.Linear(9, 10))
+    check_even_shards(model, 3)  # plain weights of 9 and 10 rows
+    model[1].weight = torch.nn.Parameter(torch.empty(10, 9).as_subclass(GathersItself))
+    check_even_shards(model, 2)
+    with pytest.raises(ConfigError, match=r"^1.weight is an FP8 weight of 10 rows, which 3 FSDP shards do not "
+                                          r"divide evenly .*--fp8.params=false$"):
+        check_even_shards(model, 3)

@@ -12,10 +12,23 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from titan_te.errors import ConfigError
 from titan_te.parallel import PARALLELISMS, ParallelSpec
 
 
+def check_even_shards(model: nn.Module, shards: int) -> None:
+    """A weight that gathers itself (a tensor subclass with `fsdp_pre_all_gather`, as TE's FP8 weights) hands
+    FSDP2 its unpadded shard, and FSDP2 accepts only the padded size: on the ranks whose shard is short it
+    raises and the others wait on the collective. Such weights need rows that divide by the shard count."""
+    for name, p in model.named_parameters():
+        if hasattr(p, "fsdp_pre_all_gather") and p.dim() and p.shape[0] % shards:
+            raise ConfigError(f"{name} is an FP8 weight of {p.shape[0]:,} rows, which {shards} FSDP shards do not "
+                              f"divide evenly (Transformer Engine's FP8 weights cannot be padded); use a shard "
+                              f"count that divides it (parallelism.data_parallel_shard_degree), or --fp8.params=false")
+
+
 def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: list) -> nn.Module:
+    check_even_shards(model, mesh.size(-1))  # the last mesh dimension is dp_shard
     for i, block in enumerate(units):
         # The last unit is needed again right at the start of backward: keep it gathered.
         reshard = pcfg.reshard_after_forward and i < len(units) - 1
