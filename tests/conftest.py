@@ -84,7 +84,8 @@ def _gpu_runs_leave_no_checkpoints(request):
     """A GPU test's 1B-wide checkpoints take gigabytes each, and the GPU files run side by side on one disk:
     a GPU test's folder goes when the test ends, pass or fail."""
     yield
-    if "gpu" in request.keywords and "tmp_path" in request.fixturenames:
+    folder = request.node.funcargs.get("tmp_path") if "gpu" in request.keywords else None
+    if folder is not None:
         import shutil
 
-        shutil.rmtree(request.getfixturevalue("tmp_path"), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -508,12 +508,13 @@ def test_a_changed_sequence_length_restarts_the_data_order_with_a_warning(tmp_pa
 
 
 def test_the_checkpoint_facts_are_the_chosen_optimizers(tmp_path):
-    """sgd's checkpoint records no Adam options (they were recorded for every optimizer)."""
+    """sgd's checkpoint records no Adam options (they were recorded for every optimizer), but its own: whether
+    its state has a momentum buffer ([optimizer.sgd] momentum)."""
     import json
 
     run_ranks(_run, 1, str(tmp_path), "disabled", 5, {"optimizer": {"name": "sgd"}})
     facts = json.loads((tmp_path / "t/checkpoint/step-5/titan_te.json").read_text())["facts"]
-    assert facts["optimizer"] == {"name": "sgd"}
+    assert facts["optimizer"] == {"name": "sgd", "sgd.momentum_buffer": False}
     run_ranks(_run, 1, str(tmp_path / "adam"), "disabled", 5, {"optimizer": {"name": "fused_adam"}})
     facts = json.loads((tmp_path / "adam/t/checkpoint/step-5/titan_te.json").read_text())["facts"]
     assert facts["optimizer"] == {"name": "fused_adam", "moment_dtype": "float32", "master_weights": True}

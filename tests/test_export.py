@@ -43,7 +43,7 @@ def test_export_then_import_keeps_the_first_step_loss(tmp_path, world):
 def test_export_shards_large_models_and_writes_the_chosen_dtype(tmp_path):
     from safetensors.torch import load_file
 
-    from titan_te.hf_io import read_hf_folder, save_hf_folder
+    from titan_te.hf_files import read_hf_folder, save_hf_folder
 
     tensors = {f"t{i}": torch.full((256, 256), float(i)) for i in range(4)}  # 128 KiB each in bf16: two per shard
     save_hf_folder({k: v.bfloat16() for k, v in tensors.items()}, {"x": 1}, tmp_path, shard_bytes=300_000)

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from helpers import run_ranks
 from test_options import _losses
-from titan_te.loss import IGNORE_INDEX, chunk_tokens, linear_cross_entropy_sum, token_loss_sum
+from titan_te.loss import IGNORE_INDEX, token_loss_sum
+from titan_te.models.llama.head import chunk_tokens, linear_cross_entropy_sum
 
 
 def _inputs(tokens=70, dim=16, vocab=50, ignored=(3, 4, 69)):

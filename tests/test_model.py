@@ -10,7 +10,7 @@ from helpers import make_cfg, run_ranks
 from titan_te.init_weights import init_weights
 from titan_te.models import MODELS
 from titan_te.models.llama import FLAVORS, Llama, resolve_args, rope_angles
-from titan_te.layers.torch_block import TorchBlock, apply_rope
+from titan_te.models.llama.torch_block import TorchBlock, apply_rope
 
 TE_BLOCK_NAMES = {  # TransformerLayer(fuse_qkv_params=True, bias=False, normalization="RMSNorm")
     "self_attention.layernorm_qkv.layer_norm_weight",
@@ -47,7 +47,7 @@ def test_causal_future_tokens_do_not_change_past_logits():
 
 
 def test_document_mask_keeps_attention_inside_each_packed_document():
-    from titan_te.layers.torch_block import document_mask
+    from titan_te.layers import sdpa_document_mask as document_mask
 
     model = tiny_model()
     model.document_mask = document_mask
@@ -227,3 +227,48 @@ def test_megatrons_count_halves_causal_attention_and_gives_its_published_figure(
     assert causal_flops_per_token(a, 8192) == a.flops_per_token(8192) - 6 * 32 * 4096 * 8192
     assert round(14451 * causal_flops_per_token(a, 8192) / 1e12) == 744
     assert round(14451 * a.flops_per_token(8192) / 1e12) == 837
+
+
+def _gpt(rank, world, tmp, until, backend="torch", **sections):
+    """gpt_lm (tests/gpt_lm.py, one file): 6 steps, a checkpoint every 3; returns (start, losses, facts)."""
+    from titan_te.te import tensors
+    from titan_te.trainer import Trainer
+
+    base = {"job": {"custom_import": "gpt_lm"}, "model": {"name": "gpt_lm", "flavor": "small", "backend": backend},
+            "training": {"steps": 6, "deterministic": True, "global_batch_size": 4, "local_batch_size": 4 // world,
+                         "seq_len": 64},
+            "lr_scheduler": {"warmup_steps": 2}, "checkpoint": {"enable": True, "interval": 3}}
+    for k, v in sections.items():
+        base.setdefault(k, {}).update(v)
+    with Trainer(make_cfg(tmp, world=world, **base)) as tr:
+        start = tr.state.step
+        losses = tr.train(until_step=until)
+        fp8_weights = sum(tensors.is_quantized(getattr(p, "_local_tensor", p)) for p in tr.model.parameters())
+        return start, losses, {"blocks": type(tr.model.layers["0"]).__name__, "fp8_weights": fp8_weights}
+
+
+def test_a_family_that_is_not_llama_shaped_trains_checkpoints_and_resumes_from_one_file(tmp_path):
+    """GPT-2's block (LayerNorm with biases, GELU, learned positions) from tests/gpt_lm.py alone, on the torch
+    backend: 2 ranks stopped after step 3 and resumed give the losses of 1 rank run through."""
+    ref = run_ranks(_gpt, 1, str(tmp_path / "ref"), None)[0]
+    first = run_ranks(_gpt, 2, str(tmp_path / "run"), 3)[0]
+    second = run_ranks(_gpt, 2, str(tmp_path / "run"), None)[0]
+    assert ref[2] == {"blocks": "FSDPTorchBlock", "fp8_weights": 0}
+    assert (first[0], second[0]) == (0, 3) and ref[1][-1] < ref[1][0]
+    assert first[1] + second[1] == pytest.approx(ref[1], rel=1e-5)
+
+
+def test_a_family_without_blocks_for_a_backend_is_refused_in_one_line(monkeypatch):
+    from titan_te.errors import ConfigError
+    from titan_te.layers import BACKENDS, BackendSpec
+
+    import gpt_lm  # noqa: F401  (registers gpt_lm)
+    from titan_te.models import MODELS
+
+    # a third backend that gpt_lm has no blocks for, registered for this test only
+    monkeypatch.setitem(BACKENDS._items, "plain", BackendSpec(name="plain", available=lambda: ""))
+    with pytest.raises(ConfigError, match=r"^model.backend = 'plain': the gpt_lm model has blocks for torch, te "
+                                          r"only; use --model.backend=torch"):
+        make_cfg("/tmp/unused", job={"custom_import": "gpt_lm"}, model={"name": "gpt_lm", "flavor": "small",
+                                                                        "backend": "plain"})
+    assert MODELS.get("gpt_lm").backends == ("torch", "te")

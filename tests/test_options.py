@@ -110,3 +110,48 @@ def test_llama_wrap_plan_makes_embedding_and_head_units_and_keeps_the_losses(tmp
     assert units == {"tok_embeddings": True, "norm": True, "output": True} and shared
     assert old_units == {"tok_embeddings": False, "norm": False, "output": False}
     assert losses == pytest.approx(old, rel=1e-6) and len(losses) == 4
+
+
+def _lion(rank, world, tmp, steps, momentum_dtype):
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, job={"custom_import": "lion_opt"},
+                   optimizer={"name": "lion", "lr": 1e-3, "weight_decay": 0.1,
+                              "lion": {"momentum_dtype": momentum_dtype}},  # TOML's [optimizer.lion]
+                   training={"steps": steps, "deterministic": True}, checkpoint={"enable": True, "interval": 2})
+    with Trainer(cfg) as tr:
+        start, losses = tr.state.step, tr.train()
+        state = next(iter(tr.optimizer.state.values()))
+        return start, losses, str(state["exp_avg"].dtype)
+
+
+def test_a_second_optimizer_from_one_file_validates_shows_and_records_its_options(tmp_path):
+    """tests/lion_opt.py alone: its [optimizer.lion] options typed, bounded and checked, listed in --help
+    as its own, Adam's options refused for it, its state's dtype a checkpoint fact that a resume checks."""
+    import re
+
+    from titan_te import config as C
+    from titan_te.checkpoint.folder import Manifest
+
+    cfg, _ = C.load(["--job.custom_import=lion_opt", "--optimizer.name=lion", "--optimizer.lion.beta1=0.95"])
+    assert C.component_options(cfg, "optimizer", "lion").beta1 == 0.95
+    assert "--optimizer.lion.beta2 (float, default 0.99; with optimizer lion)" in C.help_text()
+    for argv, message in [(["--optimizer.lion.beta1=1.5"], "optimizer.lion.beta1 must be within [0, 1)"),
+                          (["--optimizer.lion.beta1=0.99", "--optimizer.lion.beta2=0.9"],
+                           "[optimizer.lion]: beta2 (0.9) below beta1 (0.99) is not Lion"),
+                          (["--optimizer.lion.momentum_dtype=fp8"], "optimizer.lion.momentum_dtype = 'fp8' is not one of float32, bfloat16"),
+                          (["--optimizer.beta1=0.8"], "optimizer.beta1 is not an option of lion, which reads "
+                                                      "optimizer.lr, optimizer.weight_decay; its own options: "
+                                                      "[optimizer.lion]")]:
+        with pytest.raises(C.ConfigError, match=re.escape(message)):
+            C.load(["--job.custom_import=lion_opt", "--optimizer.name=lion", *argv])
+    ref = run_ranks(_lion, 1, str(tmp_path / "ref"), 4, "bfloat16")[0]
+    assert ref[1][-1] < ref[1][0] and ref[2] == "torch.bfloat16"
+    run_ranks(_lion, 1, str(tmp_path / "run"), 2, "bfloat16")
+    facts = Manifest.read(tmp_path / "run/t/checkpoint/step-2").facts["optimizer"]
+    assert facts == {"name": "lion", "lion.momentum_dtype": "bfloat16"}
+    with pytest.raises(AssertionError, match=re.escape("optimizer.lion.momentum_dtype is 'bfloat16' in the checkpoint, "
+                                                       "'float32' in this run")):
+        run_ranks(_lion, 1, str(tmp_path / "run"), 4, "float32")
+    start, losses, _ = run_ranks(_lion, 1, str(tmp_path / "run"), 4, "bfloat16")[0]
+    assert start == 2 and losses == pytest.approx(ref[1][2:], rel=1e-6)

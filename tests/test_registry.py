@@ -28,7 +28,7 @@ def test_double_registration_is_refused():
 
 
 def test_every_registry_entry_answers_for_its_name_and_capabilities():
-    from titan_te.fp8 import RECIPES
+    from titan_te.te.recipes import RECIPES
     from titan_te.layers import BACKENDS
     from titan_te.models import MODELS
     from titan_te.optim import LR_DECAYS, OPTIMIZERS

@@ -160,11 +160,11 @@ def test_fsdp_all_gathers_fp8_bytes_for_fp8_weights(tmp_path):
 
 # --- delayed-scaling amax is reduced over the data-parallel group ------------------------------------------
 def _stats_after(rank, world, tmp):
-    from titan_te.fp8 import fp8_stats
+    from titan_te.te.stats import fp8_stats
 
     tr = _trainer(tmp, world, training={"steps": 3, "local_batch_size": 1})
     tr.train()
-    stats = fp8_stats(tr.model)
+    stats = fp8_stats(tr.model, tr.model_spec.fp8_stat_groups)
     tr.close()
     return stats
 

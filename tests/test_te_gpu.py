@@ -10,8 +10,9 @@ pytestmark = pytest.mark.gpu
 def _te_and_torch_models(document_mask: bool = False):
     from titan_te.init_weights import init_weights
     from titan_te.layers import BACKENDS
-    from titan_te.layers.te_block import te_block, te_materialize
-    from titan_te.layers.torch_block import TorchBlock
+    from titan_te.models.llama.te_block import te_block
+    from titan_te.models.llama.torch_block import TorchBlock
+    from titan_te.te.layers import te_materialize
     from titan_te.models.llama import FLAVORS, Llama, resolve_args
 
     args = resolve_args(FLAVORS["debug"], 320, 128, n_layers=2)
@@ -161,7 +162,7 @@ def test_fp8_attention_tracks_bf16_at_head_dim_128(tmp_path):
 def test_fp8_attention_refusals_are_one_line(tmp_path):
     """head_dim 64 (the 1B flavor), current scaling before Blackwell, determinism on an older cuDNN."""
     from titan_te.errors import ConfigError
-    from titan_te.hardware import DETERMINISTIC_FP8_ATTENTION_CUDNN, _cudnn_version
+    from titan_te.te.checks import DETERMINISTIC_FP8_ATTENTION_CUDNN, cudnn_version
 
     attention = {"fp8.enable": True, "fp8.attention": True, "training.steps": 2}
     with pytest.raises(ConfigError, match="fp8.attention: Transformer Engine's FP8 attention takes head_dim 128"):
@@ -169,7 +170,7 @@ def test_fp8_attention_refusals_are_one_line(tmp_path):
     if torch.cuda.get_device_capability() < (10, 0):
         with pytest.raises(ConfigError, match="fp8.attention with the current recipe needs compute capability 10.0"):
             _train_head128(0, 1, str(tmp_path / "b"), {**attention, "fp8.recipe": "current"})
-    if _cudnn_version() < DETERMINISTIC_FP8_ATTENTION_CUDNN:
+    if cudnn_version() < DETERMINISTIC_FP8_ATTENTION_CUDNN:
         with pytest.raises(ConfigError, match="training.deterministic = true: cuDNN .* has no deterministic FP8"):
             _train_head128(0, 1, str(tmp_path / "c"), {**attention, "training.deterministic": True})
 
@@ -360,3 +361,28 @@ def test_fp8_bf16_layers_keeps_the_chosen_blocks_out_of_fp8(tmp_path):
     all_fp8, fp8_losses = run_ranks(_bf16_layer_flags, 1, str(tmp_path / "b"), [])[0]
     assert flags == [True, False, False, True] and all_fp8 == [False] * 4
     assert losses[-1] < 0.8 * losses[0] and losses != fp8_losses
+
+
+GPT_FP8 = {"fp8": {"enable": True, "params": True, "recipe": "delayed"},
+           "optimizer": {"name": "fused_adam", "moment_dtype": "bfloat16"}, "metrics": {"fp8_stats_freq": 1}}
+
+
+def _gpt_te(rank, world, tmp, until):
+    import os
+
+    from test_model import _gpt
+
+    os.environ["TITAN_TE_SHARE_GPU"] = "1"
+    return _gpt(rank, world, tmp, until, "te", **GPT_FP8)
+
+
+def test_a_family_that_is_not_llama_shaped_trains_fp8_weights_on_te_and_resumes(tmp_path):
+    """tests/gpt_lm.py (GPT-2's block, one file) on the te backend with FP8 weights and fused_adam, 2 ranks
+    sharing the GPU: stopped after step 3 and resumed, the losses of the run that went through."""
+    ref = run_ranks(_gpt_te, 2, str(tmp_path / "ref"), None)[0]
+    first = run_ranks(_gpt_te, 2, str(tmp_path / "run"), 3)[0]
+    second = run_ranks(_gpt_te, 2, str(tmp_path / "run"), None)[0]
+    print("gpt_lm on te, FP8 weights:", ref)
+    assert ref[2]["blocks"] == "FSDPTEBlock" and ref[2]["fp8_weights"] == 8  # 4 GEMM weights a block, 2 blocks
+    assert (first[0], second[0]) == (0, 3) and ref[1][-1] < ref[1][0]
+    assert first[1] + second[1] == pytest.approx(ref[1], rel=1e-4)

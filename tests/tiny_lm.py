@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+import tiny_lm_hf
 from titan_te.models import MODELS, ModelSpec
 
 
@@ -72,7 +73,7 @@ def build(args, backend, **_):
 FLAVORS = {"tiny": TinyArgs()}
 if "tiny_lm" not in MODELS:
     MODELS.register("tiny_lm")(ModelSpec(name="tiny_lm", flavors=FLAVORS, build=build, resolve_args=resolve_args,
-                                         hf="tiny_lm_hf"))
+                                         hf=tiny_lm_hf))
     # the same family without a Hugging Face adapter
     MODELS.register("tiny_lm_bare")(ModelSpec(name="tiny_lm_bare", flavors=FLAVORS, build=build,
                                               resolve_args=resolve_args))

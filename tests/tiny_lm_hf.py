@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError, ExportError
-from titan_te.hf_io import read_hf_folder
+from titan_te.hf_files import read_hf_folder
 from titan_te.init_weights import clean_name, local_shard
 
 NAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}

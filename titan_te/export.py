@@ -31,7 +31,7 @@ from titan_te.checkpoint.errors import describe, is_unreadable_data
 from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
 from titan_te.errors import ExportError
-from titan_te.hf_io import save_hf_folder
+from titan_te.hf_files import save_hf_folder
 from titan_te.models import MODELS
 from titan_te.paths import check_path
 from titan_te.registry import RegistryError
@@ -166,11 +166,11 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
         raise ExportError(f"{ckpt} is corrupt or unreadable ({describe(e)})") from None
     facts = run_facts(ckpt)
     spec = model_spec(facts)
-    hf_io = importlib.import_module(spec.hf)
-    args = hf_io.export_args(spec.flavors[facts.flavor], state, facts.seq_len)
+    adapter = spec.hf
+    args = adapter.export_args(spec.flavors[facts.flavor], state, facts.seq_len)
     dtype = getattr(torch, dtype_name)
-    hf = {k: v.to(dtype) for k, v in hf_io.to_hf(state, args).items()}
-    config = {**hf_io.hf_config(args, dtype_name), "bos_token_id": facts.bos_id, "eos_token_id": facts.eos_id}
+    hf = {k: v.to(dtype) for k, v in adapter.to_hf(state, args).items()}
+    config = {**adapter.hf_config(args, dtype_name), "bos_token_id": facts.bos_id, "eos_token_id": facts.eos_id}
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
     try:
         shutil.rmtree(staging, ignore_errors=True)

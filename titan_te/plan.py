@@ -23,7 +23,6 @@ if __name__ == "__main__":
     SIGNALS.install_early()  # before the imports below: a Ctrl-C while they load is one line too
 
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

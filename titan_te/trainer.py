@@ -13,8 +13,6 @@ Build order (each stage receives only its own config section):
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import logging
 import time
 import traceback
@@ -29,7 +27,6 @@ from titan_te.checkpoint import CheckpointManager, complete_steps, training_part
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import DataPosition, build_dataloader
 from titan_te.data.tokenizers import padded_vocab
-from titan_te.fp8 import FP8Context, fp8_stats
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
 from titan_te.layers import BACKENDS
@@ -45,6 +42,8 @@ from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
 from titan_te.errors import ConfigError, Interrupted, OutOfMemory, UserError
 from titan_te.preemption import SIGNALS, preempted
+from titan_te.te.policy import FP8Policy
+from titan_te.te.stats import fp8_stats
 from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
@@ -186,10 +185,10 @@ class Trainer:
         """3. The model on the meta device (FP8 weights inside TE's quantized_model_init), after the check
         that it can fit at all."""
         SIGNALS.doing("building the model")
-        self.backend = resolve_backend(m.backend, self.device_type)
-        logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
-        self.fp8 = FP8Context(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_spec = spec = MODELS.get(m.name)
+        self.backend = resolve_backend(m.backend, self.device_type, spec.backends)
+        logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
+        self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
         check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device,
@@ -212,7 +211,7 @@ class Trainer:
         if self.env.world_size == 1 and parallel.one_rank and p.unsharded_one_rank:
             parallel = PARALLELISMS.get(parallel.one_rank)
         self.parallel = parallel.name
-        train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model))
+        train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model), self.fp8)
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype
@@ -227,9 +226,8 @@ class Trainer:
             else:
                 model.to_empty(device=self.device)
         write = backend_spec.write
-        if write is not None and f.enable and f.params and f.preserve_high_precision_init \
-                and OPTIMIZERS.get(o.name).takes_high_precision_init:
-            write = functools.partial(write, keep_high_precision=True)
+        if write is not None and OPTIMIZERS.get(o.name).takes_high_precision_init:
+            write = self.fp8.writer(write)  # keeps FP8 weights' values before quantization for the optimizer
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
 
@@ -237,6 +235,8 @@ class Trainer:
         """6. The optimizer (with its own [optimizer.<name>] options, if it declares any) and the LR schedule."""
         opt_spec = OPTIMIZERS.get(cfg.optimizer.name)
         own = {"options": config_mod.component_options(cfg, "optimizer", opt_spec.name)} if opt_spec.options else {}
+        if opt_spec.takes_high_precision_init:
+            own["init_value"] = self.fp8.init_value
         self.optimizer = opt_spec.build(list(model.named_parameters()), cfg.optimizer, self.device_type, **own)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
 
@@ -259,8 +259,7 @@ class Trainer:
             spec = self.model_spec
             if spec.hf is None:
                 raise ConfigError(f"checkpoint.initial_load_path: model {spec.name} has no Hugging Face adapter")
-            importlib.import_module(spec.hf).load_hf_weights(model, ck.initial_load_path,
-                                                             BACKENDS.get(self.backend).write)
+            spec.hf.load_hf_weights(model, ck.initial_load_path, BACKENDS.get(self.backend).write)
             logger.info(f"initial weights from {ck.initial_load_path}")
 
     def _outputs(self, cfg, val_source) -> None:
@@ -284,7 +283,8 @@ class Trainer:
         identity = getattr(tok, "identity", None) or {"kind": self.cfg.data.tokenizer, "vocab_size": tok.vocab_size}
         return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
                           "dim": a.dim, "vocab_size": a.vocab_size},
-                "optimizer": {"name": o.name, **OPTIMIZERS.get(o.name).facts(o)},
+                "optimizer": {"name": o.name, **OPTIMIZERS.get(o.name).facts(
+                    o, config_mod.component_options(self.cfg, "optimizer", o.name))},
                 "tokenizer": dict(identity), "settings": self.cfg.settings(),
                 "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,
                            "bos_id": int(tok.bos_id), "eos_id": int(tok.eos_id)}}
@@ -458,7 +458,7 @@ class Trainer:
             logger.info(f"step {step:>6}  validation loss {val_loss:8.4f}")
         freq = self.cfg.metrics.fp8_stats_freq
         if self.fp8.enabled and freq and (step % freq == 0 or step == 1):
-            self.metrics.write(fp8_stats(self.model), step)
+            self.metrics.write(fp8_stats(self.model, self.model_spec.fp8_stat_groups), step)
 
     def close(self) -> None:
         try:

@@ -9,10 +9,8 @@ in one DCP call and loads into `{name: part.load_target()}`, then hands each par
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import pickle
 import random
 
@@ -26,7 +24,6 @@ from titan_te.registry import Registry
 
 logger = logging.getLogger("titan_te")
 EXTRA_STATE = "_extra_state"
-TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 PARTS: Registry[type] = Registry("checkpoint part")
 KEPT_FROM_CHECKPOINT = ("params", "step")  # a parameter group's keys that are state, not configuration
@@ -70,51 +67,6 @@ class ModelPart(Part):
 
     def load_state_dict(self, state) -> None:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
-
-
-@PARTS.register("fp8")
-class FP8Part(Part):
-    """Transformer Engine's delayed-scaling state (scales, amax history) of every FP8 module. It differs
-    in size across ranks inside the sharded model state, so it is kept out of it and saved once; the amax
-    reduction over the data-parallel group keeps every rank's scales equal."""
-
-    name = "fp8"
-
-    def __init__(self, model):
-        self.model = model
-
-    def _extra(self) -> dict:
-        return {k: v for k, v in get_model_state_dict(self.model).items() if k.endswith(EXTRA_STATE)}
-
-    def present(self) -> bool:
-        return bool(self._extra())
-
-    def state_dict(self):
-        return pickle.dumps({k: v.cpu() if torch.is_tensor(v) else v for k, v in self._extra().items()})
-
-    def load_target(self):
-        return b""
-
-    def load_state_dict(self, state) -> None:
-        own = self._extra()
-        extra = pickle.loads(state)
-        with _allow_te_pickle():
-            self.model.load_state_dict({k: v for k, v in extra.items() if k in own}, strict=False)
-
-
-@contextlib.contextmanager
-def _allow_te_pickle():
-    """TE refuses to unpickle its extra state unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. The copy
-    loaded here was pickled by titan_te into the run's own checkpoint, like the rng and dataloader parts."""
-    old = os.environ.get(TE_UNSAFE_PICKLE)
-    os.environ[TE_UNSAFE_PICKLE] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(TE_UNSAFE_PICKLE, None)
-        else:
-            os.environ[TE_UNSAFE_PICKLE] = old
 
 
 @PARTS.register("optimizer")
@@ -270,6 +222,8 @@ def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, dp_r
     parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
                          LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
                          DataLoaderPart(dataloader, dp_rank, data_position), RNGPart(dp_rank)]
+    from titan_te.te.checkpoint_part import FP8Part
+
     fp8 = FP8Part(model)
     if fp8.present():
         parts.append(fp8)

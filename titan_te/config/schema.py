@@ -235,7 +235,7 @@ class Checkpoint:
 class FP8:
     enable: bool = opt(False, "run linear layers in FP8 (te backend, needs an sm_89+ GPU)")
     recipe: str = opt("delayed", "delayed, current, block, mxfp8 or nvfp4 (the last two need Blackwell)",
-                      registry="titan_te.fp8:RECIPES")
+                      registry="titan_te.te.recipes:RECIPES")
     fp8_format: str = opt("HYBRID", "HYBRID (E4M3 forward, E5M2 gradients) or E4M3", choices=("HYBRID", "E4M3"))
     amax_history_len: int = opt(1024, "delayed scaling: amax history length", bounds=Bounds(1, 2**16))
     amax_compute_algo: str = opt("max", "delayed scaling: max or most_recent", choices=("max", "most_recent"))

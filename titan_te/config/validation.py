@@ -194,7 +194,7 @@ def _check_values(cfg: Config, where: str) -> None:
         raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
                           f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
     if cfg.fp8.attention:
-        from titan_te.fp8 import RECIPES
+        from titan_te.te.recipes import RECIPES
 
         if not cfg.fp8.enable:
             raise ConfigError(f"fp8.attention = true needs fp8.enable = true {where}")

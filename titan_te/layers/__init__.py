@@ -1,6 +1,13 @@
-"""Layer-backend registry: how one transformer block is built ("torch" or "te")."""
+"""Layer-backend registry: what a layer backend ("torch", "te") brings to every model family.
+
+A family builds its own blocks for each backend it supports (ModelSpec.backends); the backend supplies what
+does not depend on the family: whether it runs here, how its modules are materialized and written, the
+attention mask of packed documents, what it needs and allows.
+"""
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from titan_te.registry import Registry
 
@@ -8,7 +15,6 @@ from titan_te.registry import Registry
 @dataclass
 class BackendSpec:
     name: str
-    block: Callable  # block(args, layer_id, fp8=FP8Context|None, params_dtype=...) -> nn.Module
     available: Callable[[], str]  # "" when usable here, else the reason it is not
     materialize: Callable | None = None  # materialize(model, device) after sharding; default to_empty
     write: Callable | None = None  # write(param_local, value) for init; default copy_
@@ -23,4 +29,15 @@ class BackendSpec:
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")
 
-from titan_te.layers import torch_block, te_block  # noqa: E402,F401  (register both)
+
+def sdpa_document_mask(doc_start: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, seq, seq] bool, True where a query may attend: causal and inside its own document."""
+    doc = doc_start.cumsum(1)
+    s = doc_start.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_start.device).tril()
+    return (doc[:, None, :, None] == doc[:, None, None, :]) & causal
+
+
+BACKENDS.register("torch")(BackendSpec(name="torch", available=lambda: "", document_mask=sdpa_document_mask))
+
+from titan_te.te import layers as _te_layers  # noqa: E402,F401  (registers "te")

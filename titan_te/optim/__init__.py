@@ -15,7 +15,7 @@ ADAM = ("lr", "weight_decay", "beta1", "beta2", "eps")
 LEAN_ADAM = ADAM + ("master_weights", "moment_dtype", "store_param_remainders")
 
 
-def adam_facts(ocfg) -> dict:
+def adam_facts(ocfg, options=None) -> dict:
     """What an Adam checkpoint's state depends on (another value cannot load into it)."""
     return {"moment_dtype": ocfg.moment_dtype, "master_weights": ocfg.master_weights}
 
@@ -32,7 +32,8 @@ class OptimizerSpec:
     takes_high_precision_init: bool = False
     options: type | None = None  # a dataclass of opt() fields: this optimizer's own [optimizer.<name>] section
     reads: tuple[str, ...] = ADAM  # the shared [optimizer] options it uses (--help says so; others are refused)
-    # facts(optimizer_cfg) -> what its checkpointed state depends on (kept in the manifest, checked on resume)
+    # facts(optimizer_cfg, its own options or None) -> what its checkpointed state depends on (kept in the
+    # manifest, checked on resume)
     facts: Callable = adam_facts
 
 

@@ -15,4 +15,4 @@ def build_adamw(named_params, ocfg, device_type: str) -> torch.optim.Optimizer:
 
 OPTIMIZERS.register("adamw")(OptimizerSpec(name="adamw", build=build_adamw,
                                               state_bytes=lambda ocfg, low_precision: 8.0,  # 2 FP32 moments
-                                              facts=lambda ocfg: {"moment_dtype": "float32"}))
+                                              facts=lambda ocfg, _: {"moment_dtype": "float32"}))

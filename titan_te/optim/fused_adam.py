@@ -30,6 +30,7 @@ from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
 from titan_te import triton_support
 from titan_te.optim import triton_adam
 from titan_te.optim.param_groups import decay_groups
+from titan_te.te import kernels, tensors
 
 logger = logging.getLogger("titan_te")
 TE_CHUNK = 2048 * 32  # elements per block of TE's multi-tensor kernels
@@ -46,32 +47,9 @@ def local_tensor(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _is_quantized(t) -> bool:
-    try:
-        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
-    except ImportError:
-        return False
-    return isinstance(t, QuantizedTensor)
-
-
 def _te_kernels():
-    """TE's multi-tensor Adam kernels, or None without TE / CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        # the extension runs its Adam kernels slower unless transformer_engine.pytorch has initialized it
-        # first (train_bench measures it), so load it the way TE does
-        import transformer_engine.pytorch  # noqa: F401
-        import transformer_engine_torch as tex
-    except ImportError:  # not installed: torch's foreach math, said once
-        logger.warning("fused_adam: Transformer Engine is not installed; its CUDA kernels are replaced by torch's "
-                       "foreach math (slower)")
-        return None
-    except Exception as e:  # noqa: BLE001 -- installed but broken (a wrong CUDA or torch build): the user's to fix
-        raise ConfigError(f"optimizer.name = 'fused_adam': Transformer Engine is installed but cannot be loaded "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); reinstall it for "
-                          f"this torch and CUDA, or use --optimizer.name=adamw") from None
-    return tex
+    """TE's multi-tensor Adam kernels, or None without TE / CUDA (torch's foreach math then)."""
+    return kernels.adam_kernels("optimizer.name = 'fused_adam'")
 
 
 @dataclass
@@ -90,18 +68,20 @@ class FusedAdam(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  master_weights: bool = True, moment_dtype: torch.dtype = torch.float32,
                  store_param_remainders: bool = False, use_te_kernels: bool | None = None, streams: int = 2,
-                 triton: bool = True):
+                 triton: bool = True, init_value=None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, step=0)
         super().__init__(params, defaults)
         self.master_weights = master_weights
         self.moment_dtype = moment_dtype
         self.store_param_remainders = store_param_remainders
-        kernels = _te_kernels()
-        if use_te_kernels and kernels is None:
+        te_kernels = _te_kernels()
+        if use_te_kernels and te_kernels is None:
             raise FusedAdamError("fused_adam: TE kernels requested but Transformer Engine or CUDA is missing")
-        self._te = kernels if use_te_kernels is not False else None
+        self._te = te_kernels if use_te_kernels is not False else None
         self._triton = triton and self._te is not None and triton_support.available()
         self._buckets: list[Bucket] | None = None
+        # init_value(local FP8 weight) -> its value before quantization, or None (fp8.preserve_high_precision_init)
+        self._init_value = init_value
         self.grad_scale: torch.Tensor | None = None  # set by the trainer: the clip coefficient for this step
         self._noop = None
         # streams > 1: TE kernel launches are spread over that many CUDA streams (each launch holds a
@@ -115,7 +95,7 @@ class FusedAdam(torch.optim.Optimizer):
     # --- classification ------------------------------------------------------------------------
     def _kind(self, p) -> str:
         local = local_tensor(p)
-        if _is_quantized(local):
+        if tensors.is_quantized(local):
             if not self.master_weights:
                 raise FusedAdamError(
                     "fused_adam: FP8 weights need optimizer.master_weights = true (an FP8 weight cannot hold "
@@ -148,10 +128,9 @@ class FusedAdam(torch.optim.Optimizer):
         kind = self._kind(p)
         local = local_tensor(p)
         high = local.dequantize() if kind == "quantized" else local
-        hp = getattr(local, "_high_precision_init", None)
-        if kind == "quantized" and hp is not None:  # fp8.preserve_high_precision_init
+        hp = self._init_value(local) if kind == "quantized" and self._init_value is not None else None
+        if hp is not None:  # fp8.preserve_high_precision_init
             high = hp.to(local.device)
-            del local._high_precision_init
         state = self.state[p]
         shape = local.shape
         for name in ("exp_avg", "exp_avg_sq"):
@@ -271,9 +250,7 @@ class FusedAdam(torch.optim.Optimizer):
         moments), or None: the master is updated, then each weight re-quantized."""
         if self._te is None:
             return None
-        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
-
-        if not all(isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer) for w in weights):
+        if not all(tensors.delayed_fp8(w) is not None for w in weights):
             return None
         if self.moment_dtype == torch.float32:
             return "te"
@@ -291,10 +268,10 @@ class FusedAdam(torch.optim.Optimizer):
         elif kind == "lowp_remain":
             lists, fn = [grads, weights, m, v, masters], tex.multi_tensor_adam_param_remainder
         elif writer == "te":  # delayed scaling, FP32 moments: master update + FP8 write
-            q = [w._quantizer for w in weights]
-            lists = [grads, [w._data for w in weights], m, v, masters, [x.scale for x in q], [x.amax for x in q],
-                     [w._scale_inv for w in weights]]
-            fn, extra = tex.multi_tensor_adam_fp8, (weights[0]._fp8_dtype,)
+            fp8 = [tensors.delayed_fp8(w) for w in weights]
+            lists = [grads, [x.raw for x in fp8], m, v, masters, [x.scale for x in fp8], [x.amax for x in fp8],
+                     [x.scale_inv for x in fp8]]
+            fn, extra = tex.multi_tensor_adam_fp8, (fp8[0].te_dtype,)
         else:  # other quantized weights: the FP32 master is the kernel's parameter; re-quantized after
             grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
             lists, fn = [grads, masters, m, v], tex.multi_tensor_adam
@@ -309,7 +286,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._join_streams()
         if extra:
             for w in weights:
-                w._reset_caches()  # a cached FP8 transpose is stale now
+                tensors.written_in_place(w)
 
     def _spread(self, lists):
         """(tensor lists, stream or None) parts of about equal element counts, one per stream; the
@@ -385,12 +362,13 @@ class FusedAdam(torch.optim.Optimizer):
             torch._foreach_copy_(weights, targets)
 
 
-def build_fused_adam(named_params, ocfg, device_type: str) -> FusedAdam:
+def build_fused_adam(named_params, ocfg, device_type: str, init_value=None) -> FusedAdam:
     return FusedAdam(decay_groups(named_params, ocfg.weight_decay), lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
                      eps=ocfg.eps, master_weights=ocfg.master_weights,
                      moment_dtype=getattr(torch, ocfg.moment_dtype),
                      store_param_remainders=ocfg.store_param_remainders,
-                     use_te_kernels=None if device_type == "cuda" else False, triton=ocfg.triton)
+                     use_te_kernels=None if device_type == "cuda" else False, triton=ocfg.triton,
+                     init_value=init_value)
 
 
 OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam,

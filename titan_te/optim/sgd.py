@@ -29,4 +29,6 @@ def build_sgd(named_params, ocfg, device_type: str, options: SGDOptions) -> torc
 
 OPTIMIZERS.register("sgd")(OptimizerSpec(name="sgd", build=build_sgd, options=SGDOptions,
                                             state_bytes=lambda ocfg, low_precision: 4.0,  # the momentum buffer
-                                            reads=("lr", "weight_decay"), facts=lambda ocfg: {}))
+                                            reads=("lr", "weight_decay"),
+                                            # a momentum buffer exists only with momentum
+                                            facts=lambda ocfg, o: {"sgd.momentum_buffer": o.momentum > 0}))

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from titan_te.te import tensors
+
 
 BLOCK = 4096
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -57,12 +59,6 @@ def _kernel():
     return adam
 
 
-def fp8_storage_dtype(weight) -> torch.dtype:
-    import transformer_engine_torch as tex
-
-    return torch.float8_e5m2 if weight._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
-
-
 def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step,
               grad_scale: torch.Tensor | None = None) -> None:
     """Update FP32 masters and moments in place and write each delayed-scaling Float8Tensor weight
@@ -74,13 +70,12 @@ def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, 
         n = p.numel()
         if n == 0:
             continue
-        dtype = fp8_storage_dtype(w)
-        q = w._quantizer
-        gscale = grad_scale if grad_scale is not None else q.scale  # any pointer when unused
-        kernel[(-(-n // BLOCK),)](g, p, m, v, w._data.view(dtype), q.scale, q.amax, w._scale_inv, gscale, n, lr,
-                                  beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[dtype], HAS_GSCALE=grad_scale is not None,
-                                  WRITE_FP8=True, BLOCK=BLOCK, num_warps=8)
-        w._reset_caches()  # a cached FP8 transpose is stale now
+        fp8 = tensors.delayed_fp8(w)
+        gscale = grad_scale if grad_scale is not None else fp8.scale  # any pointer when unused
+        kernel[(-(-n // BLOCK),)](g, p, m, v, fp8.data, fp8.scale, fp8.amax, fp8.scale_inv, gscale, n, lr,
+                                  beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[fp8.data.dtype],
+                                  HAS_GSCALE=grad_scale is not None, WRITE_FP8=True, BLOCK=BLOCK, num_warps=8)
+        tensors.written_in_place(w)
 
 
 def adam_(grads, weights, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step,

@@ -8,8 +8,8 @@ from titan_te.registry import Registry
 @dataclass
 class ParallelSpec:
     name: str
-    # apply(model, dist_env, parallelism_cfg, mp_policy, units) -> model, called on the meta model; units:
-    # the model's FSDP wrap plan (ModelSpec.fsdp_units)
+    # apply(model, dist_env, parallelism_cfg, mp_policy, units, fp8) -> model, called on the meta model; units:
+    # the model's FSDP wrap plan (ModelSpec.fsdp_units); fp8: the run's FP8Policy (keeps_gathered(block))
     apply: Callable
     casts_params: bool = False  # True when it applies the mixed-precision policy itself (FSDP2)
     multi_process: bool = True  # False: runs on one process only

@@ -16,23 +16,26 @@ from titan_te.errors import ConfigError
 from titan_te.parallel import PARALLELISMS, ParallelSpec
 
 
-def check_even_shards(model: nn.Module, shards: int) -> None:
-    """A weight that gathers itself (a tensor subclass with `fsdp_pre_all_gather`, as TE's FP8 weights) hands
+def check_even_shards(model: nn.Module, shards: int, fp8=None) -> None:
+    """A weight that gathers itself (TE's FP8 weights: a tensor subclass with `fsdp_pre_all_gather`) hands
     FSDP2 its unpadded shard, and FSDP2 accepts only the padded size: on the ranks whose shard is short it
-    raises and the others wait on the collective. Such weights need rows that divide by the shard count."""
-    for name, p in model.named_parameters():
-        if hasattr(p, "fsdp_pre_all_gather") and p.dim() and p.shape[0] % shards:
+    raises and the others wait on the collective. Such weights, the FP8 policy's and any already of that
+    kind, need rows that divide by the shard count."""
+    named = dict(fp8.fp8_weights(model)) if fp8 is not None else {}
+    named.update((n, p) for n, p in model.named_parameters() if hasattr(p, "fsdp_pre_all_gather"))
+    for name, p in named.items():
+        if p.dim() and p.shape[0] % shards:
             raise ConfigError(f"{name} is an FP8 weight of {p.shape[0]:,} rows, which {shards} FSDP shards do not "
                               f"divide evenly (Transformer Engine's FP8 weights cannot be padded); use a shard "
                               f"count that divides it (parallelism.data_parallel_shard_degree), or --fp8.params=false")
 
 
-def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: list) -> nn.Module:
-    check_even_shards(model, mesh.size(-1))  # the last mesh dimension is dp_shard
+def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: list, fp8) -> nn.Module:
+    check_even_shards(model, mesh.size(-1), fp8)  # the last mesh dimension is dp_shard
     for i, block in enumerate(units):
         # The last unit is needed again right at the start of backward: keep it gathered.
         reshard = pcfg.reshard_after_forward and i < len(units) - 1
-        reshard = reshard and not getattr(block, "keep_gathered_for_recompute", False)
+        reshard = reshard and not (fp8 is not None and fp8.keeps_gathered(block))
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
     for module in model.modules():
@@ -42,12 +45,12 @@ def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: 
     return model
 
 
-def apply_fsdp(model, env, pcfg, mp, units):
-    return _fully_shard(model, env.mesh["dp_shard"], pcfg, mp, units)
+def apply_fsdp(model, env, pcfg, mp, units, fp8=None):
+    return _fully_shard(model, env.mesh["dp_shard"], pcfg, mp, units, fp8)
 
 
-def apply_hsdp(model, env, pcfg, mp, units):
-    return _fully_shard(model, env.mesh, pcfg, mp, units)
+def apply_hsdp(model, env, pcfg, mp, units, fp8=None):
+    return _fully_shard(model, env.mesh, pcfg, mp, units, fp8)
 
 
 def _sum_allreduce_hook(group, bucket):
@@ -55,7 +58,7 @@ def _sum_allreduce_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_ddp(model, env, pcfg, mp, units):
+def apply_ddp(model, env, pcfg, mp, units, fp8=None):
     model.to_empty(device=env.device)  # DDP needs real tensors to broadcast; init overwrites them
     ddp = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                   broadcast_buffers=False)
@@ -63,7 +66,7 @@ def apply_ddp(model, env, pcfg, mp, units):
     return ddp
 
 
-def apply_none(model, env, pcfg, mp, units):
+def apply_none(model, env, pcfg, mp, units, fp8=None):
     return model
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama safetensors <-> titan_te parameter names (TE layout).
+"""Llama's Hugging Face adapter: HF LlamaForCausalLM safetensors <-> our parameter names (TE layout).
 
 Mapping per block i (HF name <- ours):
   input_layernorm            <- self_attention.layernorm_qkv.layer_norm_weight
@@ -11,7 +11,6 @@ Both sides use the rotate-half RoPE layout, so q/k need no permutation.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,10 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from safetensors import SafetensorError
 
+from titan_te.hf_files import read_hf_folder
 from titan_te.init_weights import local_shard
-
-SHARD_BYTES = 5 * 2**30
-
 
 def export_args(args, state: dict, seq_len: int):
     """The flavor's args sized from a checkpoint's full state (its blocks and vocabulary)."""
@@ -109,54 +106,6 @@ def hf_config(args, dtype: str) -> dict:
     return cfg
 
 
-def save_hf_folder(tensors: dict, config: dict, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """model.safetensors, or shards plus model.safetensors.index.json past shard_bytes."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-
-
-def read_hf_folder(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") if index.stat().st_size else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index} has no weight_map of tensor name -> file")
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder} holds no model.safetensors or model.safetensors.index.json")
-    out = {}
-    for f in files:
-        out.update(load_file(str(folder / f)))
-    return out
-
-
 @torch.no_grad()
 def load_hf_weights(model, folder: str, write=None) -> None:
     """Load a HF Llama folder into a (possibly sharded) model, each rank copying its own shard."""
@@ -185,3 +134,12 @@ def load_hf_weights(model, folder: str, write=None) -> None:
                                     dtype=torch.float32), p)
         target = p.to_local() if isinstance(p, DTensor) else p
         (write or (lambda t, v: t.copy_(v)))(target, value)
+
+
+class LlamaHF:
+    """The adapter on Llama's ModelSpec (models.HFAdapter): export and checkpoint.initial_load_path."""
+
+    export_args = staticmethod(export_args)
+    to_hf = staticmethod(to_hf)
+    hf_config = staticmethod(hf_config)
+    load_hf_weights = staticmethod(load_hf_weights)

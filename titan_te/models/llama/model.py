@@ -1,70 +1,21 @@
-"""Llama 3 family: args, flavors, FLOP count and the model shell around a layer backend.
+"""Llama 3: the model shell (embedding, blocks, norm, fused output head), RoPE, and its FSDP wrap plan.
 
-Blocks come from the layer-backend registry; they all use Transformer Engine's parameter names
+Its blocks, torch_block.py and te_block.py, use Transformer Engine's parameter names
 (`self_attention.layernorm_qkv.weight`, `layernorm_mlp.fc1_weight`, ...) so a checkpoint moves
-between backends unchanged.
+between layer backends unchanged.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_te.errors import ConfigError
-from titan_te.loss import linear_cross_entropy_sum
-from titan_te.models import MODELS, ModelSpec
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int = 128256  # 0: taken from the tokenizer
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    rope_scaling_factor: float = 8.0  # Llama 3.x long-context frequency scaling; 1 disables it
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_pos: int = 8192
-    max_seq_len: int = 8192
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        hd = self.head_dim
-        attn = self.dim * (self.n_heads + 2 * self.n_kv_heads) * hd + self.n_heads * hd * self.dim
-        mlp = 3 * self.dim * self.ffn_dim
-        block = attn + mlp + 2 * self.dim
-        emb = self.vocab_size * self.dim
-        return self.n_layers * block + self.dim + emb + (emb if include_embedding else 0)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x non-embedding params (incl. the output head) + attention, counted
-        over the whole score matrix (torchtitan's count)."""
-        return 6 * self.num_params(include_embedding=False) + self.attention_flops_per_token(seq_len)
-
-    def attention_flops_per_token(self, seq_len: int) -> float:
-        """The attention part of flops_per_token: QK^T and PV, forward and backward, every score counted.
-        Megatron's tables count causal attention as half of it."""
-        return 12 * self.n_layers * self.dim * seq_len
-
-
-FLAVORS = {
-    "debug": LlamaArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=0,
-                       rope_theta=10000.0, rope_scaling_factor=1.0, max_seq_len=2048),
-    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, rope_scaling_factor=32.0),
-    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, rope_scaling_factor=32.0),
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
-    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
-}
+from titan_te.models.llama.args import LlamaArgs
+from titan_te.models.llama.head import linear_cross_entropy_sum
+from titan_te.models.llama.te_block import te_block
+from titan_te.models.llama.torch_block import TorchBlock
 
 
 def rope_angles(args: LlamaArgs, seq_len: int, device=None) -> torch.Tensor:
@@ -89,7 +40,7 @@ class OutputHead(nn.Linear):
     """The vocabulary projection; with labels it returns the summed cross-entropy from the fused,
     chunked head instead of the logits (a module of its own, so it can be its own FSDP unit)."""
 
-    fp8 = "off"  # fp8.head: which of the fused head's GEMMs run in FP8 (titan_te/loss.py)
+    fp8 = "off"  # fp8.head: which of the fused head's GEMMs run in FP8 (head.py)
 
     def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if labels is None:
@@ -163,44 +114,17 @@ def fsdp_units(model: Llama) -> list:
     return [model.tok_embeddings, *model.layers.values(), [model.norm, model.output]]
 
 
+BLOCKS = {"torch": TorchBlock, "te": te_block}  # layer backend -> Llama's block on it
+
+
 def build_llama(args: LlamaArgs, backend: str, document_mask: bool = False, **block_options) -> Llama:
-    """block_options (fp8, params_dtype) go to the backend's block builder."""
+    """block_options (fp8: the FP8Policy or None, params_dtype) go to the block builder."""
     from titan_te.layers import BACKENDS
 
-    spec = BACKENDS.get(backend)
-    model = Llama(args, lambda a, i: spec.block(a, i, document_mask=document_mask, **block_options),
-                  spec.document_mask if document_mask else None)
+    block = BLOCKS[backend]
+    model = Llama(args, lambda a, i: block(a, i, document_mask=document_mask, **block_options),
+                  BACKENDS.get(backend).document_mask if document_mask else None)
     fp8 = block_options.get("fp8")
     if fp8 is not None:
-        model.output.fp8 = fp8.cfg.head
+        model.output.fp8 = fp8.head
     return model
-
-
-def resolve_args(args: LlamaArgs, vocab_size: int, seq_len: int, n_layers: int = 0) -> LlamaArgs:
-    """One run's args from a flavor's: vocabulary 0 follows the tokenizer, a larger tokenizer than the
-    flavor's embedding is refused, `n_layers` overrides, the RoPE tables cover seq_len."""
-    if args.vocab_size == 0:
-        args = replace(args, vocab_size=vocab_size)
-    elif vocab_size > args.vocab_size:
-        raise ConfigError(f"the tokenizer has {vocab_size:,} ids (padded), but this flavor's embedding and output "
-                          f"head have {args.vocab_size:,} rows; use a tokenizer with at most {args.vocab_size:,} ids, "
-                          f"or the debug flavor (its vocabulary follows the tokenizer)")
-    if n_layers:
-        args = replace(args, n_layers=n_layers)
-    if seq_len > args.max_seq_len:
-        args = replace(args, max_seq_len=seq_len)
-    return args
-
-
-def check(cfg) -> str:
-    """Llama's rules on the config: TE's FP8 attention (cuDNN) takes head_dim 128 only."""
-    head_dim = FLAVORS[cfg.model.flavor].head_dim
-    if cfg.fp8.attention and head_dim != 128:
-        return (f"fp8.attention: Transformer Engine's FP8 attention takes head_dim 128 only (cuDNN), the "
-                f"{cfg.model.flavor} flavor's is {head_dim}; set --fp8.attention=false")
-    return ""
-
-
-MODELS.register("llama3")(ModelSpec(name="llama3", flavors=FLAVORS, build=build_llama, resolve_args=resolve_args,
-                                    hf="titan_te.hf_io", computes_loss=True, fp8_head=True,
-                                    fsdp_units=fsdp_units, check=check))

@@ -1,4 +1,4 @@
-"""Pure-PyTorch Llama block (SDPA attention) with Transformer Engine's parameter names and layouts.
+"""Llama's block on the `torch` layer backend: pure PyTorch (SDPA attention) with Transformer Engine's parameter names and layouts.
 
 Layout facts taken from TE's `TransformerLayer(fuse_qkv_params=True)`:
 - `self_attention.layernorm_qkv.weight` is the fused QKV weight, interleaved per KV group:
@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from titan_te.layers import BACKENDS, BackendSpec
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,14 +84,3 @@ class TorchBlock(nn.Module):
         x = x + self.self_attention(x, angles, mask)
         return x + self.layernorm_mlp(x)
 
-
-def document_mask(doc_start: torch.Tensor) -> torch.Tensor:
-    """[batch, 1, seq, seq] bool, True where a query may attend: causal and inside its own document."""
-    doc = doc_start.cumsum(1)
-    s = doc_start.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_start.device).tril()
-    return (doc[:, None, :, None] == doc[:, None, None, :]) & causal
-
-
-BACKENDS.register("torch")(BackendSpec(name="torch", block=TorchBlock, available=lambda: "",
-                                       document_mask=document_mask))

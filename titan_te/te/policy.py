@@ -1,0 +1,93 @@
+"""The FP8 policy: what the [fp8] section means for every part that asks.
+
+Models ask which blocks get FP8 weights and compute (`block_fp8`, `block_init`), what the output head runs
+in FP8 (`head`); the parallelism asks whether a block must keep its gathered weights (`keeps_gathered`);
+the optimizer asks for a weight's value before it was quantized (`init_value`); the training step enters
+`autocast()`. Nothing else reads fp8.* options or marks tensors and modules for one another.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from titan_te.te import tensors
+from titan_te.te.recipes import RECIPES
+
+
+class FP8Policy:
+    def __init__(self, fcfg, amax_group=None):
+        self.enabled = fcfg.enable
+        self.recipe = RECIPES.get(fcfg.recipe).build(fcfg) if fcfg.enable else None
+        self.amax_group = amax_group
+        self.weights = fcfg.enable and fcfg.params  # FP8 weights (TE's quantized_model_init)
+        self.head = fcfg.head if fcfg.enable else "off"  # the fused head's FP8 GEMMs (fp8.head)
+        self._bf16_layers = tuple(fcfg.bf16_layers)
+        self._keep_init = fcfg.enable and fcfg.params and fcfg.preserve_high_precision_init
+        self._init_values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._fp8_weight_blocks: set[int] = set()
+
+    # --- models ---------------------------------------------------------------------------------------
+    def block_fp8(self, layer_id: int, n_layers: int) -> bool:
+        """Whether block `layer_id` runs in FP8 (fp8.bf16_layers keeps some in bf16; negative ids count back)."""
+        return self.enabled and layer_id not in {i % n_layers for i in self._bf16_layers}
+
+    def block_init(self, layer_id: int, n_layers: int):
+        """The context to build block `layer_id` in: FP8 weights when fp8.params is on and the block is FP8."""
+        if not (self.weights and self.block_fp8(layer_id, n_layers)):
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        return te.quantized_model_init(enabled=True, recipe=self.recipe)
+
+    def built(self, block, layer_id: int, n_layers: int) -> None:
+        """A model tells the policy which module holds block `layer_id` (for keeps_gathered)."""
+        if self.weights and self.block_fp8(layer_id, n_layers):
+            self._fp8_weight_blocks.add(id(block))
+
+    def fp8_weights(self, model):
+        """(name, parameter) of every weight that is or will be FP8: on the meta device TE's weights are still
+        high precision (reset_parameters quantizes them after sharding); TE quantizes a block's GEMM weights,
+        its 2-D parameters."""
+        for name, module in model.named_modules():
+            if id(module) in self._fp8_weight_blocks:
+                for pname, p in module.named_parameters():
+                    if p.dim() == 2:
+                        yield f"{name}.{pname}", p
+
+    # --- the training step -----------------------------------------------------------------------------
+    def autocast(self):
+        """The forward's context; amaxes are reduced over the data-parallel group."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        import transformer_engine.pytorch as te
+
+        return te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)
+
+    # --- parallelisms ----------------------------------------------------------------------------------
+    def keeps_gathered(self, block) -> bool:
+        """FSDP2 gathers FP8 weights for the forward in row-wise form only and for the backward in column-wise
+        form only when a block reshards after forward; recomputing the forward inside the backward
+        (activation checkpointing) then finds no row-wise data. Such blocks keep their gathered weights."""
+        return id(block) in self._fp8_weight_blocks and bool(getattr(block, "checkpointed", False))
+
+    # --- init and optimizers ---------------------------------------------------------------------------
+    def writer(self, write):
+        """`write(target, value)` for init that also keeps each FP8 weight's unquantized value, on the CPU, for
+        an optimizer that seeds its FP32 masters from it (fp8.preserve_high_precision_init); others as given."""
+        if not self._keep_init:
+            return write
+
+        def keeping(target, value):
+            write(target, value)
+            if tensors.is_quantized(target):
+                self._init_values[id(target)] = (weakref.ref(target), value.detach().to("cpu", torch.float32))
+
+        return keeping
+
+    def init_value(self, weight) -> torch.Tensor | None:
+        """The value `weight` (a local FP8 shard) was initialized from before quantization, once (then
+        dropped), or None."""
+        ref, value = self._init_values.pop(id(weight), (None, None))
+        return value if ref is not None and ref() is weight else None

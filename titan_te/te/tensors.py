@@ -1,0 +1,81 @@
+"""FP8 tensors from the outside: the one place that reads TE tensors' private fields.
+
+Optimizers write FP8 weights in place, the fused output head quantizes its operands, init writes values into
+FP8 weights: each asks a function here instead of reaching into `_data`, `_scale_inv`, `_quantizer` or
+`_reset_caches`, so a TE upgrade that renames them changes this file only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def is_quantized(t) -> bool:
+    """A TE quantized tensor (an FP8 weight of any recipe); False without TE."""
+    try:
+        from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
+    except ImportError:
+        return False
+    return isinstance(t, QuantizedTensor)
+
+
+def write(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Store `value` in a parameter: FP8 weights quantize it (with their own recipe), others copy it."""
+    if is_quantized(target):
+        target.quantize_(value.to(torch.float32))
+    else:
+        target.copy_(value)
+
+
+@dataclass
+class DelayedFP8:
+    """The parts of a delayed-scaling FP8 weight that an optimizer kernel writes in place: the FP8 bytes (raw
+    uint8 and as the torch float8 dtype), the scale the next write uses, the amax it records there, the
+    inverse scale readers multiply by, and TE's dtype code."""
+
+    raw: torch.Tensor
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+    te_dtype: object
+
+
+def delayed_fp8(w) -> DelayedFP8 | None:
+    """The in-place-writable parts of a delayed-scaling FP8 weight, or None for any other tensor."""
+    try:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
+    except ImportError:
+        return None
+    if not (isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer)):
+        return None
+    dtype = torch.float8_e5m2 if w._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
+    q = w._quantizer
+    return DelayedFP8(w._data, w._data.view(dtype), q.scale, q.amax, w._scale_inv, w._fp8_dtype)
+
+
+def is_float8(w) -> bool:
+    """A per-tensor-scaled FP8 weight (delayed or current scaling): the kind TE's FusedAdam writes in place."""
+    try:
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+    except ImportError:
+        return False
+    return isinstance(w, Float8Tensor)
+
+
+def written_in_place(w) -> None:
+    """After a kernel wrote an FP8 weight's bytes: drop what TE cached from the old ones (its transpose)."""
+    w._reset_caches()
+
+
+def e4m3_current(t: torch.Tensor, transpose: bool = False):
+    """(t in float8_e4m3fn scaled to its own amax, its transpose or None, the FP32 scale that undoes them):
+    TE's current-scaling cast (one amax pass, one fused cast[-transpose] pass)."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, t.device, rowwise=True, columnwise=transpose)(t)
+    data = q._data.view(torch.float8_e4m3fn)
+    return data, q._transpose.view(torch.float8_e4m3fn) if transpose else None, q._scale_inv
