@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from titan_te.registry import Registry
+from titan_te.te.checkpoint_part import EXTRA_STATE, FP8Part
 
 logger = logging.getLogger("titan_te")
-EXTRA_STATE = "_extra_state"
 
 PARTS: Registry[type] = Registry("checkpoint part")
 KEPT_FROM_CHECKPOINT = ("params", "step")  # a parameter group's keys that are state, not configuration
@@ -67,6 +67,9 @@ class ModelPart(Part):
 
     def load_state_dict(self, state) -> None:
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+
+
+PARTS.register("fp8")(FP8Part)  # TE's FP8 scaling state (titan_te/te/checkpoint_part.py)
 
 
 @PARTS.register("optimizer")
@@ -222,8 +225,6 @@ def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, dp_r
     parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
                          LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
                          DataLoaderPart(dataloader, dp_rank, data_position), RNGPart(dp_rank)]
-    from titan_te.te.checkpoint_part import FP8Part
-
     fp8 = FP8Part(model)
     if fp8.present():
         parts.append(fp8)

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from titan_te.registry import Registry
+from titan_te.te import layers as te_layers
 
 
 @dataclass
@@ -39,5 +40,4 @@ def sdpa_document_mask(doc_start: torch.Tensor) -> torch.Tensor:
 
 
 BACKENDS.register("torch")(BackendSpec(name="torch", available=lambda: "", document_mask=sdpa_document_mask))
-
-from titan_te.te import layers as _te_layers  # noqa: E402,F401  (registers "te")
+BACKENDS.register("te")(BackendSpec(name="te", **te_layers.BACKEND))  # Transformer Engine (titan_te/te/layers.py)

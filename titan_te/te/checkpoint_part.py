@@ -8,18 +8,17 @@ import pickle
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from titan_te.checkpoint.parts import EXTRA_STATE, PARTS, Part
-
+EXTRA_STATE = "_extra_state"  # the state_dict key suffix of a module's extra state (torch's), where TE keeps it
 TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 
 
-@PARTS.register("fp8")
-class FP8Part(Part):
-    """Transformer Engine's delayed-scaling state (scales, amax history) of every FP8 module. It differs
-    in size across ranks inside the sharded model state, so it is kept out of it and saved once; the amax
-    reduction over the data-parallel group keeps every rank's scales equal."""
+class FP8Part:
+    """Transformer Engine's delayed-scaling state (scales, amax history) of every FP8 module, a checkpoint part
+    (checkpoint/parts.py registers it as "fp8"). It differs in size across ranks inside the sharded model state,
+    so it is kept out of it and saved once; the amax reduction over the data-parallel group keeps every rank's
+    scales equal."""
 
-    name = "fp8"
+    name, resharding = "fp8", "replicated"
 
     def __init__(self, model):
         self.model = model

@@ -12,7 +12,6 @@ import contextlib
 
 import torch
 
-from titan_te.layers import BACKENDS, BackendSpec
 from titan_te.te import tensors
 
 
@@ -99,7 +98,7 @@ def te_document_mask(doc_start: torch.Tensor) -> dict:
             "max_seqlen_q": s, "max_seqlen_kv": s}
 
 
-BACKENDS.register("te")(BackendSpec(name="te", available=te_unavailable_reason, materialize=te_materialize,
-                                    write=tensors.write, document_mask=te_document_mask, needs_cuda=True, fp8=True,
-                                    compiles_blocks=False,
-                                    install="pip install --no-build-isolation 'transformer_engine[pytorch]'"))
+# what the `te` layer backend brings to every family (titan_te/layers registers it)
+BACKEND = dict(available=te_unavailable_reason, materialize=te_materialize, write=tensors.write,
+               document_mask=te_document_mask, needs_cuda=True, fp8=True, compiles_blocks=False,
+               install="pip install --no-build-isolation 'transformer_engine[pytorch]'")
