@@ -13,6 +13,7 @@ Build order (each stage receives only its own config section):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import traceback
@@ -247,7 +248,9 @@ class Trainer:
         self.state = TrainState()
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.dp_rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
-                               data_position=self.data_position)
+                               data_position=self.data_position,
+                               optimizer_state_bytes=functools.partial(OPTIMIZERS.get(self.cfg.optimizer.name).state_bytes,
+                                                                       self.cfg.optimizer))
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
         # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
         # the optimizer from changing them before the copy is complete; a step's line is logged before its save

@@ -141,7 +141,7 @@ class CheckpointManager:
         when one save does not fit, warn when the saves kept (keep_latest_k, or all) do not."""
         if not self.enabled:
             return
-        mine = torch.tensor([space.state_bytes(self._state(model_only=False)), 0], dtype=torch.float64)
+        mine = torch.tensor([sum(p.size_bytes() for n, p in self._saved_parts()), 0], dtype=torch.float64)
         mine[1] = mine[0]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(mine[:1], group=self.ctl_pg)
@@ -361,7 +361,10 @@ class CheckpointManager:
             return {"model": self.parts["model"].model_only_state()}
         # Replicated parts are the same everywhere: rank 0 writes them (TE's FP8 state even differs in
         # size between ranks), every rank loads them.
-        return {n: p.state_dict() for n, p in self.parts.items() if p.resharding != "replicated" or self.rank == 0}
+        return {n: p.state_dict() for n, p in self._saved_parts()}
+
+    def _saved_parts(self):
+        return [(n, p) for n, p in self.parts.items() if p.resharding != "replicated" or self.rank == 0]
 
     def before_optimizer_step(self, *_args) -> None:
         """Optimizer pre-hook: a background save must have copied the weights before they change."""

@@ -16,11 +16,14 @@ import random
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from titan_te.checkpoint import space
 from titan_te.registry import Registry
+from titan_te.te import tensors
 from titan_te.te.checkpoint_part import EXTRA_STATE, FP8Part
 
 logger = logging.getLogger("titan_te")
@@ -42,6 +45,10 @@ class Part:
 
     def load_state_dict(self, state) -> None:
         raise NotImplementedError
+
+    def size_bytes(self) -> int:
+        """What this rank's share of the part puts on disk (the space check, before anything is saved)."""
+        return space.state_bytes(self.state_dict())
 
 
 def _params(model) -> dict:
@@ -76,11 +83,26 @@ PARTS.register("fp8")(FP8Part)  # TE's FP8 scaling state (titan_te/te/checkpoint
 class OptimizerPart(Part):
     name, resharding = "optimizer", "sharded"
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, state_bytes=None):
+        """state_bytes(low_precision_weight) -> the optimizer's state bytes per parameter (its spec's), for the
+        size of a save before the optimizer has state."""
+        self.model, self.optimizer, self.state_bytes = model, optimizer, state_bytes
 
     def state_dict(self):
         return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def size_bytes(self) -> int:
+        """Before the first step the optimizer has no state, and asking torch for its state dict then creates
+        it by running a step (lr 0, zero gradients): the step counts, and Adam's bias correction is one step
+        off for the whole run. So until then the size comes from the optimizer's bytes per parameter."""
+        if self.optimizer.state or self.state_bytes is None:
+            return super().size_bytes()
+        total = 0
+        for p in self.model.parameters():
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            low = tensors.is_quantized(local) or local.element_size() < 4
+            total += int(local.numel() * self.state_bytes(low))
+        return total
 
     def load_state_dict(self, state) -> None:
         """The state (moments, masters, step counts) from the checkpoint; the hyperparameters (lr, betas,
@@ -220,9 +242,11 @@ class RNGPart(PerRankPart):
 
 
 def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, dp_rank: int, dp_world: int,
-                   export_dtype: torch.dtype | None = None, data_position=None) -> dict[str, Part]:
-    """The parts of a training run, in the order they are saved and restored."""
-    parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer),
+                   export_dtype: torch.dtype | None = None, data_position=None,
+                   optimizer_state_bytes=None) -> dict[str, Part]:
+    """The parts of a training run, in the order they are saved and restored; optimizer_state_bytes: see
+    OptimizerPart."""
+    parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer, optimizer_state_bytes),
                          LRSchedulerPart(lr_scheduler), TrainStatePart(train_state, dp_world),
                          DataLoaderPart(dataloader, dp_rank, data_position), RNGPart(dp_rank)]
     fp8 = FP8Part(model)

@@ -32,6 +32,9 @@ class FP8Part:
     def state_dict(self):
         return pickle.dumps({k: v.cpu() if torch.is_tensor(v) else v for k, v in self._extra().items()})
 
+    def size_bytes(self) -> int:
+        return len(self.state_dict())
+
     def load_target(self):
         return b""
 
