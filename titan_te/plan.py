@@ -42,6 +42,7 @@ AC_MODES = ("none", "every_n", "full")
 class Plan:
     rows: list[tuple[str, str]] = field(default_factory=list)
     peak: dict[str, float] = field(default_factory=dict)  # activation-checkpoint mode -> bytes per rank
+    kept_gathered: dict[str, float] = field(default_factory=dict)  # mode -> gathered FP8 blocks kept to backward
     fits: dict[str, bool] = field(default_factory=dict)
     checkpoint_bytes: float = 0.0
     gather_bytes: float = 0.0
@@ -83,6 +84,17 @@ def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
     if not (cfg.fp8.enable and cfg.fp8.params) or p.ndim != 2 or not name.startswith("layers."):
         return False
     return int(name.split(".")[1]) not in {i % n_layers for i in cfg.fp8.bf16_layers}
+
+
+def _keeps_gathered(unit: list, model, fp8: set, names: dict, acfg, mode: str) -> bool:
+    """A block with FP8 weights that activation checkpointing (`mode`) recomputes (parallel/wrappers.py's
+    choice): FSDP keeps its gathered weights from its forward to its backward (FP8Policy.keeps_gathered)."""
+    if mode == "none":
+        return False
+    every = 1 if mode == "full" else acfg.every_n
+    blocks = {id(b): int(k) for k, b in model.layers.items()}
+    return all(id(m) in blocks and blocks[id(m)] % every == 0
+               and any(names[id(p)] in fp8 for p in m.parameters()) for m in unit)
 
 
 def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
@@ -131,20 +143,29 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     memory, peak_flops = GPUS[gpu]
     block_grads = max(unit_grads) * 2 / div if unit_grads else 0  # FP32, sharded
     for mode in AC_MODES:
+        # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
+        kept = sum(b for u, b in zip(units, unit_bytes)
+                   if _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint, mode)) if sharded and div > 1 else 0
+        plan.kept_gathered[mode] = kept
         # the peak is at the start of the backward (every activation, the head's buffers, the first unit's
-        # gradients) or in the optimizer step (every gradient, no activation): gradients replace activations
-        # block by block as the backward goes
-        plan.peak[mode] = weights + state + transient + WORKSPACE + max(acts[mode] + head + block_grads, grads)
+        # gradients, the kept gathered blocks) or in the optimizer step (every gradient, no activation):
+        # gradients replace activations block by block as the backward goes
+        plan.peak[mode] = weights + state + transient + WORKSPACE + max(acts[mode] + head + block_grads + kept, grads)
         plan.fits[mode] = plan.peak[mode] <= memory
     # checkpoint: weights as stored (FP8 1 byte, others FP32) + optimizer state (what DCP writes)
     plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + (n_fp8 * opt.state_bytes(cfg.optimizer, True)
                                                          + n_other * opt.state_bytes(cfg.optimizer, False))
-    # communication per rank per step: FSDP gathers every unit in the forward and again in the backward
-    # (reshard_after_forward) and reduce-scatters FP32 gradients once; (shard-1)/shard of each travels
-    gathers = 2 if cfg.parallelism.reshard_after_forward else 1
+    # communication per rank per step: FSDP gathers every unit in the forward, and in the backward again each
+    # unit that resharded after its forward (reshard_after_forward: all but the last, which the backward needs
+    # first, and but a recomputed block with FP8 weights, which keeps its gathered weights); it reduce-scatters
+    # FP32 gradients once; (shard-1)/shard of each travels
+    regathered = sum(b for i, (u, b) in enumerate(zip(units, unit_bytes))
+                     if cfg.parallelism.reshard_after_forward and i < len(units) - 1
+                     and not _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint,
+                                             cfg.activation_checkpoint.mode))
     full_bf16 = n_fp8 * 1 + n_other * 2
     if sharded and div > 1:
-        plan.gather_bytes = gathers * full_bf16 * (div - 1) / div
+        plan.gather_bytes = (full_bf16 + regathered) * (div - 1) / div
         plan.scatter_bytes = (n_fp8 + n_other) * 4 * (div - 1) / div
     replicate_bytes = 0.0
     if rep > 1 or parallel == "ddp":  # an all-reduce of the (sharded) FP32 gradients over the replicas
@@ -173,6 +194,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
         ("output head", _gib(head)),
         ("workspaces (allowance)", _gib(WORKSPACE)),
         *[(f"activations, AC {m}", _gib(acts[m])) for m in AC_MODES],
+        *[(f"kept gathered, AC {m}", _gib(plan.kept_gathered[m])) for m in AC_MODES
+          if plan.kept_gathered[m]],
         *[(f"peak / rank, AC {m}", f"{_gib(plan.peak[m])} of {_gib(memory)} on a {gpu}: "
                                    f"{'fits' if plan.fits[m] else 'does NOT fit'}") for m in AC_MODES],
         ("activation checkpointing", f"{mode} (configured); the lightest that fits: "
