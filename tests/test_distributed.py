@@ -96,3 +96,26 @@ def test_weights_that_gather_themselves_need_rows_that_divide_by_the_shard_count
     with pytest.raises(ConfigError, match=r"^1.weight is an FP8 weight of 10 rows, which 3 FSDP shards do not "
                                           r"divide evenly .*--fp8.params=false$"):
         check_even_shards(model, 3)
+
+
+def _init_targets(rank, world, tmp):
+    from titan_te.init_weights import init_weights
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(make_cfg(tmp, world=world))
+    seen = []
+    init_weights(tr.model, tr.model.init_rule, 0, tr.device, write=lambda target, value: seen.append(target))
+    owners = {id(p._local_tensor) for p in tr.model.parameters() if isinstance(p, DTensor)}
+    tr.close()
+    return len(seen), sum(id(t) in owners for t in seen), len(owners)
+
+
+def test_init_writes_into_the_shards_the_optimizer_holds():
+    """init's write receives each DTensor's own local tensor, not to_local()'s fresh view (newer torch returns
+    one for a Parameter): an FP8 weight's scale and the values fused_adam seeds its masters from
+    (FP8Policy.init_value) are then those of the object the optimizer steps."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        written, into_shards, shards = run_ranks(_init_targets, 2, tmp)[0]
+    assert shards > 0 and written == into_shards == shards

@@ -3,11 +3,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError, ExportError
 from titan_te.hf_files import read_hf_folder
-from titan_te.init_weights import clean_name, local_shard
+from titan_te.init_weights import clean_name, local_shard, local_tensor
 
 NAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight"}
 
@@ -42,5 +41,5 @@ def load_hf_weights(model, folder: str, write=None) -> None:
         name = clean_name(name)
         if _hf_name(name) not in hf:
             raise ConfigError(f"checkpoint.initial_load_path: {folder} has no {_hf_name(name)}")
-        target = p.to_local() if isinstance(p, DTensor) else p
+        target = local_tensor(p)
         (write or (lambda t, v: t.copy_(v)))(target, local_shard(hf[_hf_name(name)].to(target.dtype), p))

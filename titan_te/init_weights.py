@@ -23,6 +23,13 @@ def clean_name(name: str) -> str:
     return name
 
 
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's shard of `param` itself (a DTensor's local tensor, else the tensor).
+    Not `to_local()`: for a Parameter of a DTensor, newer torch returns a fresh view there, which a write may
+    reach only partly (an FP8 weight's scale) and which is not the object an optimizer later sees."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
 def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of `full` that this rank holds of `param` (a DTensor or a plain tensor)."""
     if not isinstance(param, DTensor):
@@ -73,7 +80,7 @@ def init_weights(model: nn.Module, init_rule, seed: int, device: torch.device, w
         gen = torch.Generator(device=device).manual_seed(param_seed(seed, name))
         full = draw(init_rule(name), tuple(p.shape), gen, device)
         value = local_shard(full, p)
-        target = p.to_local() if isinstance(p, DTensor) else p
+        target = local_tensor(p)
         if write is not None:
             write(target, value)
         else:

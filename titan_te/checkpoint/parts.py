@@ -16,12 +16,12 @@ import random
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from titan_te.checkpoint import space
+from titan_te.init_weights import local_tensor
 from titan_te.registry import Registry
 from titan_te.te import tensors
 from titan_te.te.checkpoint_part import EXTRA_STATE, FP8Part
@@ -99,7 +99,7 @@ class OptimizerPart(Part):
             return super().size_bytes()
         total = 0
         for p in self.model.parameters():
-            local = p._local_tensor if isinstance(p, DTensor) else p
+            local = local_tensor(p)
             low = tensors.is_quantized(local) or local.element_size() < 4
             total += int(local.numel() * self.state_bytes(low))
         return total

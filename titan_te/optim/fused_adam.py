@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_te.errors import ConfigError
+from titan_te.init_weights import local_tensor
 from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
 from titan_te import triton_support
 from titan_te.optim import triton_adam
@@ -40,11 +41,6 @@ CPU_SLICE = 1 << 24  # elements per torch _foreach_ slice (bounds FP32 temporari
 
 class FusedAdamError(ConfigError):
     """A parameter/option combination this optimizer will not run silently wrong."""
-
-
-def local_tensor(t):
-    """A parameter's own shard: the local tensor of a DTensor, else the tensor."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _te_kernels():

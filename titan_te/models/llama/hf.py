@@ -15,12 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from safetensors import SafetensorError
 
 from titan_te.hf_files import read_hf_folder
-from titan_te.init_weights import local_shard
+from titan_te.init_weights import local_shard, local_tensor
 
 def export_args(args, state: dict, seq_len: int):
     """The flavor's args sized from a checkpoint's full state (its blocks and vocabulary)."""
@@ -130,9 +129,8 @@ def load_hf_weights(model, folder: str, write=None) -> None:
         if tuple(full.shape) != tuple(p.shape):
             raise ConfigError(f"checkpoint.initial_load_path: {name} has shape {tuple(full.shape)} in {folder}, "
                               f"the model expects {tuple(p.shape)}")
-        value = local_shard(full.to(device=p.device if not isinstance(p, DTensor) else p.to_local().device,
-                                    dtype=torch.float32), p)
-        target = p.to_local() if isinstance(p, DTensor) else p
+        target = local_tensor(p)
+        value = local_shard(full.to(device=target.device, dtype=torch.float32), p)
         (write or (lambda t, v: t.copy_(v)))(target, value)
 
 
