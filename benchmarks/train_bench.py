@@ -53,6 +53,9 @@ RUNS = {
     "8b_fp8": ("preset", "8b", []),
     "8b_fp8_before": ("before", "8b", []),
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
+    # FP8 current scaling (what Megatron-Bridge publishes its 8B figure with) beside the presets' delayed
+    "1b_fp8_current": ("preset", "1b", ["--fp8.recipe=current"]),
+    "8b_fp8_current": ("preset", "8b", ["--fp8.recipe=current"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
 }
 DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"
