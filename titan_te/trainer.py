@@ -229,6 +229,7 @@ class Trainer:
         write = backend_spec.write
         if write is not None and OPTIMIZERS.get(o.name).takes_high_precision_init:
             write = self.fp8.writer(write)  # keeps FP8 weights' values before quantization for the optimizer
+        self._write = write  # Hugging Face weights are written the same way (stage 7)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
 
@@ -262,8 +263,11 @@ class Trainer:
             spec = self.model_spec
             if spec.hf is None:
                 raise ConfigError(f"checkpoint.initial_load_path: model {spec.name} has no Hugging Face adapter")
-            spec.hf.load_hf_weights(model, ck.initial_load_path, BACKENDS.get(self.backend).write)
+            # as init writes: fused_adam then seeds its FP32 masters from these values, not from init's
+            spec.hf.load_hf_weights(model, ck.initial_load_path, self._write)
             logger.info(f"initial weights from {ck.initial_load_path}")
+        elif resumed:  # the weights are the checkpoint's: init's values must not seed fused_adam's masters
+            self.fp8.drop_init_values()
 
     def _outputs(self, cfg, val_source) -> None:
         """8. Metrics (console, TensorBoard, metrics file), the profiler, validation."""

@@ -86,6 +86,11 @@ class FP8Policy:
 
         return keeping
 
+    def drop_init_values(self) -> None:
+        """The weights were overwritten after init (a checkpoint, Hugging Face weights): their values before
+        quantization are not the weights' any more and must not seed an optimizer's masters."""
+        self._init_values.clear()
+
     def init_value(self, weight) -> torch.Tensor | None:
         """The value `weight` (a local FP8 shard) was initialized from before quantization, once (then
         dropped), or None."""
