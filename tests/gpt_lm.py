@@ -113,7 +113,8 @@ class GPT(nn.Module):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         mask = None
         if self.document_mask is not None:
-            mask = self.document_mask(doc_start if doc_start is not None else torch.zeros_like(tokens, dtype=torch.bool))
+            starts = doc_start if doc_start is not None else torch.zeros_like(tokens, dtype=torch.bool)
+            mask = self.document_mask(starts)
         for block in self.layers.values():
             h = block(h, mask=mask)
         return self.head(self.ln_f(h)).float()
@@ -133,4 +134,5 @@ def resolve_args(a: GPTArgs, vocab_size: int, seq_len: int, n_layers: int = 0) -
 if "gpt_lm" not in MODELS:
     MODELS.register("gpt_lm")(ModelSpec(name="gpt_lm", flavors=FLAVORS, build=build, resolve_args=resolve_args,
                                         backends=tuple(BLOCKS),
-                                        fp8_stat_groups={"layernorm_qkv": "qkv", "proj": "proj", "layernorm_mlp": "mlp"}))
+                                        fp8_stat_groups={"layernorm_qkv": "qkv", "proj": "proj",
+                                                         "layernorm_mlp": "mlp"}))

@@ -139,7 +139,8 @@ def test_a_second_optimizer_from_one_file_validates_shows_and_records_its_option
     for argv, message in [(["--optimizer.lion.beta1=1.5"], "optimizer.lion.beta1 must be within [0, 1)"),
                           (["--optimizer.lion.beta1=0.99", "--optimizer.lion.beta2=0.9"],
                            "[optimizer.lion]: beta2 (0.9) below beta1 (0.99) is not Lion"),
-                          (["--optimizer.lion.momentum_dtype=fp8"], "optimizer.lion.momentum_dtype = 'fp8' is not one of float32, bfloat16"),
+                          (["--optimizer.lion.momentum_dtype=fp8"],
+                           "optimizer.lion.momentum_dtype = 'fp8' is not one of float32, bfloat16"),
                           (["--optimizer.beta1=0.8"], "optimizer.beta1 is not an option of lion, which reads "
                                                       "optimizer.lr, optimizer.weight_decay; its own options: "
                                                       "[optimizer.lion]")]:

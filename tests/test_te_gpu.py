@@ -175,15 +175,17 @@ def test_fp8_attention_refusals_are_one_line(tmp_path):
             _train_head128(0, 1, str(tmp_path / "c"), {**attention, "training.deterministic": True})
 
 
-def _fp8_weights_run(rank, world, tmp, mode, until):
-    """FP8 weights + fused_adam with checkpoints every 5 steps; returns (start step, losses)."""
+def _fp8_weights_run(rank, world, tmp, mode, until, exclude=()):
+    """FP8 weights + fused_adam with checkpoints every 6 steps (resuming without the parts in `exclude`);
+    returns (start step, losses)."""
     from titan_te.trainer import Trainer
 
     sections = {"training": {"steps": 12, "local_batch_size": 4, "seq_len": 256, "deterministic": True},
                 "model": {"backend": "te"}, "metrics": {"log_freq": 1, "enable_tensorboard": False},
                 "fp8": {"enable": True, "params": True, "recipe": "delayed"},
                 "optimizer": {"name": "fused_adam", "moment_dtype": "bfloat16"},
-                "checkpoint": {"enable": True, "interval": 6, "async_mode": mode}}
+                "checkpoint": {"enable": True, "interval": 6, "async_mode": mode,
+                               "exclude_from_loading": list(exclude)}}
     tr = Trainer(make_cfg(tmp, world=world, **sections))
     start = tr.state.step
     losses = tr.train(until_step=until)
@@ -388,28 +390,13 @@ def test_a_family_that_is_not_llama_shaped_trains_fp8_weights_on_te_and_resumes(
     assert first[1] + second[1] == pytest.approx(ref[1], rel=1e-4)
 
 
-def _fresh_optimizer_run(rank, world, tmp, until, exclude):
-    """As _fp8_weights_run (synchronous saves), resuming with the parts in `exclude` not loaded."""
-    from titan_te.trainer import Trainer
-
-    sections = {"training": {"steps": 12, "local_batch_size": 4, "seq_len": 256, "deterministic": True},
-                "model": {"backend": "te"}, "metrics": {"log_freq": 1, "enable_tensorboard": False},
-                "fp8": {"enable": True, "params": True, "recipe": "delayed"},
-                "optimizer": {"name": "fused_adam", "moment_dtype": "bfloat16"},
-                "checkpoint": {"enable": True, "interval": 6, "exclude_from_loading": exclude}}
-    tr = Trainer(make_cfg(tmp, world=world, **sections))
-    start, losses = tr.state.step, tr.train(until_step=until)
-    tr.close()
-    return start, losses
-
-
 def test_a_fresh_optimizer_over_resumed_fp8_weights_starts_from_them_not_from_init(tmp_path):
     """fused_adam seeds its FP32 masters from the FP8 weights' values before quantization when init wrote them
     (fp8.preserve_high_precision_init); after a resume without the optimizer's state those values are init's, and
     the first step would put the weights back near init. The masters then come from the loaded weights: the
     losses after the resume stay at the checkpoint's level, not back at init's."""
-    first = run_ranks(_fresh_optimizer_run, 1, str(tmp_path), 6, [])[0]
-    again = run_ranks(_fresh_optimizer_run, 1, str(tmp_path), None, ["optimizer"])[0]
+    first = run_ranks(_fp8_weights_run, 1, str(tmp_path), "disabled", 6)[0]
+    again = run_ranks(_fp8_weights_run, 1, str(tmp_path), "disabled", None, ["optimizer"])[0]
     print("first run", [f"{x:.3f}" for x in first[1]], "\nresumed without optimizer", [f"{x:.3f}" for x in again[1]])
     assert again[0] == 6
     assert max(again[1]) < first[1][0] - 0.5 * (first[1][0] - first[1][-1])  # nowhere near init's loss again

@@ -144,8 +144,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     block_grads = max(unit_grads) * 2 / div if unit_grads else 0  # FP32, sharded
     for mode in AC_MODES:
         # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
-        kept = sum(b for u, b in zip(units, unit_bytes)
-                   if _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint, mode)) if sharded and div > 1 else 0
+        kept = 0 if not (sharded and div > 1) else sum(
+            b for u, b in zip(units, unit_bytes) if _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint, mode))
         plan.kept_gathered[mode] = kept
         # the peak is at the start of the backward (every activation, the head's buffers, the first unit's
         # gradients, the kept gathered blocks) or in the optimizer step (every gradient, no activation):

@@ -250,8 +250,8 @@ class Trainer:
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.dp_rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
                                data_position=self.data_position,
-                               optimizer_state_bytes=functools.partial(OPTIMIZERS.get(self.cfg.optimizer.name).state_bytes,
-                                                                       self.cfg.optimizer))
+                               optimizer_state_bytes=functools.partial(
+                                   OPTIMIZERS.get(self.cfg.optimizer.name).state_bytes, self.cfg.optimizer))
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
         # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
         # the optimizer from changing them before the copy is complete; a step's line is logged before its save

@@ -1,4 +1,5 @@
-"""Llama's block on the `torch` layer backend: pure PyTorch (SDPA attention) with Transformer Engine's parameter names and layouts.
+"""Llama's block on the `torch` layer backend: pure PyTorch (SDPA attention) with Transformer Engine's
+parameter names and layouts.
 
 Layout facts taken from TE's `TransformerLayer(fuse_qkv_params=True)`:
 - `self_attention.layernorm_qkv.weight` is the fused QKV weight, interleaved per KV group:
