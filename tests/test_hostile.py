@@ -694,6 +694,30 @@ def test_stop_signals_by_phase_in_one_process():
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+def test_a_start_up_signal_whose_exception_was_dropped_still_stops_before_training():
+    """Python runs a signal handler wherever the main thread is; the Interrupted it raises inside a __del__ or a
+    library's broad `except` is dropped, and the run used to train on with the stop flag set (a Ctrl-C before
+    training then ended as a preemption after step 2, exit 75, seen once under load). Entering the loop raises
+    it again: one line, 128 + N."""
+    import signal
+    import time
+
+    from titan_te.errors import Interrupted
+    from titan_te.preemption import SIGNALS
+
+    with SIGNALS.installed():
+        SIGNALS.doing("building the model")
+        try:  # what a library that catches everything does with it
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except BaseException:  # noqa: BLE001
+            pass
+        with pytest.raises(Interrupted) as e:
+            with SIGNALS.training():
+                raise AssertionError("the loop must not start")
+    assert e.value.exit_code == 130 and e.value.line().startswith("interrupted: SIGINT while building the model;")
+
+
 # --- round 2: two runs, one checkpoint folder -----------------------------------------------------------
 def test_two_runs_never_share_a_checkpoint_folder_unless_asked(capsys, tmp_path):
     """Run A saves into an absolute checkpoint.folder; run B names the same folder: refused while A runs (the

@@ -47,6 +47,7 @@ class StopSignals:
         self._depth = 0
         self._pid = 0
         self.decided: int | None = None  # the exit code the run has settled on (75 after a stop save), kept by a late exit
+        self.interrupted: Interrupted | None = None  # raised while starting (kept: see training())
 
     def _handler(self, signum, frame):
         if os.getpid() != self._pid:
@@ -60,7 +61,8 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.phase == "starting":
             self.phase = "finishing"  # whatever the raise unwinds through is not interrupted again
-            raise Interrupted(signum, self.what)
+            self.interrupted = Interrupted(signum, self.what)
+            raise self.interrupted
         if self.phase == "training":
             logger.warning(f"received {name}: finishing this step, then saving and exiting (send it again to "
                            f"exit at once)")
@@ -76,6 +78,7 @@ class StopSignals:
         main = threading.current_thread() is threading.main_thread()
         if main and self._depth == 0:
             self.phase, self.flag, self.what, self._pid, self.decided = "starting", False, "starting", os.getpid(), None
+            self.interrupted = None
             for s in STOP_SIGNALS:
                 self._old[s] = signal.signal(s, self._handler)
         self._depth += main
@@ -107,6 +110,10 @@ class StopSignals:
         """The training loop: a signal becomes a stop request (the handlers are installed here too when
         the caller is not an entry point, e.g. a test driving a Trainer)."""
         with self.installed():
+            if self.interrupted is not None:
+                # a signal while starting whose Interrupted did not get out: the handler runs wherever the main
+                # thread is, and an exception raised inside a __del__ or a library's own `except` is dropped
+                raise self.interrupted
             self.phase = "training"
             try:
                 yield self
