@@ -89,11 +89,10 @@ def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
 def _keeps_gathered(unit: list, model, fp8: set, names: dict, acfg, mode: str) -> bool:
     """A block with FP8 weights that activation checkpointing (`mode`) recomputes (parallel/wrappers.py's
     choice): FSDP keeps its gathered weights from its forward to its backward (FP8Policy.keeps_gathered)."""
-    if mode == "none":
-        return False
-    every = 1 if mode == "full" else acfg.every_n
+    from titan_te.parallel.wrappers import recomputed
+
     blocks = {id(b): int(k) for k, b in model.layers.items()}
-    return all(id(m) in blocks and blocks[id(m)] % every == 0
+    return all(id(m) in blocks and recomputed(blocks[id(m)], mode, acfg.every_n)
                and any(names[id(p)] in fp8 for p in m.parameters()) for m in unit)
 
 

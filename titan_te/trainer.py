@@ -130,10 +130,11 @@ class Trainer:
         self.env = self._distributed(cfg.training, cfg.parallelism)  # 1.
         self._claim_run_folder(cfg.run_folder, cfg.job)
         val_source = self._data(cfg.data, cfg.validation, cfg.training)  # 2.
+        self.optimizer_spec = OPTIMIZERS.get(cfg.optimizer.name)
         model = self._model(cfg.model, cfg.fp8, cfg.training, cfg)  # 3.
         self.train_model = self._parallelize(model, cfg.parallelism, cfg.activation_checkpoint, cfg.compile,
                                              cfg.training)  # 4.
-        self._initialize(model, cfg.training, cfg.fp8, cfg.optimizer)  # 5.
+        self._initialize(model, cfg.training)  # 5.
         self._optimizer(model, cfg)  # 6.
         self._checkpoints(model, cfg.checkpoint, cfg.training)  # 7.
         self._outputs(cfg, val_source)  # 8.
@@ -192,7 +193,7 @@ class Trainer:
         self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
-        check_fits(cfg, self.model_args, OPTIMIZERS.get(cfg.optimizer.name), self.device,
+        check_fits(cfg, self.model_args, self.optimizer_spec, self.device,
                    self.env.dims.size("dp_shard"), local_world())
         logger.info(f"building the model ({self.model_args.num_params() / 1e6:,.1f} M parameters) on "
                     f"{self.device}")
@@ -218,7 +219,7 @@ class Trainer:
         self._amp_dtype = mp.param_dtype
         return train_model
 
-    def _initialize(self, model, t, f, o) -> None:
+    def _initialize(self, model, t) -> None:
         """5. Materialize and initialize: the same full weights for any world size and seed."""
         backend_spec = BACKENDS.get(self.backend)
         if any(p.is_meta for p in model.parameters()):
@@ -227,7 +228,7 @@ class Trainer:
             else:
                 model.to_empty(device=self.device)
         write = backend_spec.write
-        if write is not None and OPTIMIZERS.get(o.name).takes_high_precision_init:
+        if write is not None and self.optimizer_spec.takes_high_precision_init:
             write = self.fp8.writer(write)  # keeps FP8 weights' values before quantization for the optimizer
         self._write = write  # Hugging Face weights are written the same way (stage 7)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
@@ -235,7 +236,7 @@ class Trainer:
 
     def _optimizer(self, model, cfg) -> None:
         """6. The optimizer (with its own [optimizer.<name>] options, if it declares any) and the LR schedule."""
-        opt_spec = OPTIMIZERS.get(cfg.optimizer.name)
+        opt_spec = self.optimizer_spec
         own = {"options": config_mod.component_options(cfg, "optimizer", opt_spec.name)} if opt_spec.options else {}
         if opt_spec.takes_high_precision_init:
             own["init_value"] = self.fp8.init_value
@@ -250,8 +251,8 @@ class Trainer:
         parts = training_parts(model, self.optimizer, self.lr_scheduler, self.dataloader, self.state, env.dp_rank,
                                env.dp_world, export_dtype=getattr(torch, ck.export_dtype),
                                data_position=self.data_position,
-                               optimizer_state_bytes=functools.partial(
-                                   OPTIMIZERS.get(self.cfg.optimizer.name).state_bytes, self.cfg.optimizer))
+                               optimizer_state_bytes=functools.partial(self.optimizer_spec.state_bytes,
+                                                                       self.cfg.optimizer))
         folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
         # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
         # the optimizer from changing them before the copy is complete; a step's line is logged before its save
@@ -290,7 +291,7 @@ class Trainer:
         identity = getattr(tok, "identity", None) or {"kind": self.cfg.data.tokenizer, "vocab_size": tok.vocab_size}
         return {"model": {"name": self.cfg.model.name, "flavor": self.cfg.model.flavor, "n_layers": a.n_layers,
                           "dim": a.dim, "vocab_size": a.vocab_size},
-                "optimizer": {"name": o.name, **OPTIMIZERS.get(o.name).facts(
+                "optimizer": {"name": o.name, **self.optimizer_spec.facts(
                     o, config_mod.component_options(self.cfg, "optimizer", o.name))},
                 "tokenizer": dict(identity), "settings": self.cfg.settings(),
                 "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,

@@ -8,13 +8,16 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 logger = logging.getLogger("titan_te")
 
 
+def recomputed(layer_id: int, mode: str, every_n: int) -> bool:
+    """Whether activation checkpointing in `mode` recomputes block `layer_id`: every block (full), every
+    N-th (every_n), none."""
+    return mode != "none" and layer_id % (1 if mode == "full" else every_n) == 0
+
+
 def apply_activation_checkpoint(model, acfg) -> None:
-    """Recompute the activations of every block (full) or of every N-th block (every_n) in backward."""
-    if acfg.mode == "none":
-        return
-    every = 1 if acfg.mode == "full" else acfg.every_n
+    """Recompute the activations of the blocks `recomputed` chooses in backward."""
     for key, block in list(model.layers.items()):
-        if int(key) % every:
+        if not recomputed(int(key), acfg.mode, acfg.every_n):
             continue
         if hasattr(block, "enable_activation_checkpoint"):  # the block brings its own (TE's checkpoint)
             block.enable_activation_checkpoint()
