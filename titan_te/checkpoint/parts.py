@@ -83,7 +83,7 @@ PARTS.register("fp8")(FP8Part)  # TE's FP8 scaling state (titan_te/te/checkpoint
 class OptimizerPart(Part):
     name, resharding = "optimizer", "sharded"
 
-    def __init__(self, model, optimizer, state_bytes=None):
+    def __init__(self, model, optimizer, state_bytes):
         """state_bytes(low_precision_weight) -> the optimizer's state bytes per parameter (its spec's), for the
         size of a save before the optimizer has state."""
         self.model, self.optimizer, self.state_bytes = model, optimizer, state_bytes
@@ -95,7 +95,7 @@ class OptimizerPart(Part):
         """Before the first step the optimizer has no state, and asking torch for its state dict then creates
         it by running a step (lr 0, zero gradients): the step counts, and Adam's bias correction is one step
         off for the whole run. So until then the size comes from the optimizer's bytes per parameter."""
-        if self.optimizer.state or self.state_bytes is None:
+        if self.optimizer.state:
             return super().size_bytes()
         total = 0
         for p in self.model.parameters():
@@ -242,8 +242,8 @@ class RNGPart(PerRankPart):
 
 
 def training_parts(model, optimizer, lr_scheduler, dataloader, train_state, dp_rank: int, dp_world: int,
-                   export_dtype: torch.dtype | None = None, data_position=None,
-                   optimizer_state_bytes=None) -> dict[str, Part]:
+                   *, optimizer_state_bytes, export_dtype: torch.dtype | None = None,
+                   data_position=None) -> dict[str, Part]:
     """The parts of a training run, in the order they are saved and restored; optimizer_state_bytes: see
     OptimizerPart."""
     parts: list[Part] = [ModelPart(model, export_dtype), OptimizerPart(model, optimizer, optimizer_state_bytes),
