@@ -255,6 +255,29 @@ def test_recomputed_fp8_blocks_keep_their_gathered_weights_and_the_losses(tmp_pa
     assert max(gaps) < 1e-3
 
 
+# --- the planner's memory estimate against the peak of shared ranks ----------------------------------------
+def _peak_and_plan(rank, world, tmp):
+    from titan_te.plan import make_plan
+
+    tr = _trainer(tmp, world, model={"n_layers": 4}, training={"steps": 3, "seq_len": 2048, "local_batch_size": 2})
+    torch.cuda.reset_peak_memory_stats()
+    tr.train()
+    peak = torch.cuda.max_memory_allocated()  # this rank's process only: its own caching allocator
+    est = make_plan(tr.cfg, world, 1, "H200", tr.tokenizer.vocab_size).peak["none"]
+    tr.close()
+    return peak, est
+
+
+def test_the_planners_memory_estimate_is_within_10_percent_of_shared_ranks_peaks(tmp_path):
+    """2 ranks, FP8 weights, 1B-wide blocks (4 of them), seq 2048 x 2: each rank's peak of allocated memory
+    (its own process and allocator, though the GPU is shared) against the planner's peak for that rank."""
+    per_rank = run_ranks(_peak_and_plan, 2, str(tmp_path))
+    for rank, (peak, est) in enumerate(per_rank):
+        print(f"rank {rank}: measured peak {peak / 2**30:.2f} GiB, planner {est / 2**30:.2f} GiB "
+              f"({est / peak - 1:+.1%})")
+    assert all(abs(est / peak - 1) <= 0.10 for peak, est in per_rank)
+
+
 # --- the launcher on shared ranks: kill -9 during an async save, SIGTERM -------------------------------------
 SHAPE = ["--model.n_layers=2", "--training.seq_len=512", "--training.local_batch_size=1",
          "--training.deterministic=true", "--lr_scheduler.warmup_steps=3", "--metrics.log_freq=1",

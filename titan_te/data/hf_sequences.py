@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from titan_te.data.hf_stream import READ_BATCH, datasets_package, open_stream
+from titan_te.data.hf_access import READ_BATCH, datasets_package, open_stream
 from titan_te.data.token_source import frame_document
 from titan_te.errors import DataError
 
