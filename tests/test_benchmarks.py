@@ -50,3 +50,20 @@ def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_p
     runs = json.loads(out.read_text())
     assert runs["1b_fp8"]["gpus"] == 1 and runs["1b_fp8@2gpu"]["gpus"] == 2
     assert runs["1b_fp8@2gpu"]["tokens"] == 2 * runs["1b_fp8"]["tokens"]  # the preset's batch on every GPU
+
+
+def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
+    """The loss check's mechanics on the CPU: two runs of the debug job through ./run_train.sh (the `fp8` run is
+    the preset unchanged, which on the debug job means no FP8), curves read back from metrics.jsonl; the same
+    seed gives the same curve, so every gap is zero."""
+    import subprocess
+
+    out = tmp_path / "loss.md"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/loss_bench.py"), "--config", "debug", "--runs",
+                        "bf16,fp8", "--steps", "8", "--window", "4", "--scratch", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    curves = json.loads(out.with_suffix(".json").read_text())
+    assert len(curves["bf16"]) == 8 and curves["bf16"] == curves["fp8"] and curves["bf16"][-1] < curves["bf16"][0]
+    assert "| 1-4 |" in r.stdout and "| 5-8 |" in r.stdout and "+0.00%" in r.stdout
+    assert "mean over the last 2 steps: bf16" in r.stdout
