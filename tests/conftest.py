@@ -8,7 +8,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # workers share the cores: one thread each, their child processes too
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def _has_te_gpu() -> bool:
