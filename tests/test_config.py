@@ -56,6 +56,9 @@ def test_override_types_bools_and_lists(tmp_path):
     (["--checkpoint.exclude_from_loading=dataloder"], "did you mean 'dataloader'"),
     (["--parallelism.data_parallel_replicate_degree=2"], "is not divisible by parallelism.data_parallel_replicate_degree"),
     (["--parallelism.data_parallel_shard_degree=2"], "replicate x shard degree = 1 x 2 must equal the world size 1"),
+    # a script's unset variable (--job.dump_folder=$DIR): never the current directory or the run folder's top
+    (["--job.dump_folder="], "job.dump_folder is empty; it names a folder (default './outputs')"),
+    (["--checkpoint.folder="], "checkpoint.folder is empty; it names a folder (default 'checkpoint')"),
 ])
 def test_errors_name_the_key(argv, expected):
     with pytest.raises(C.ConfigError) as e:

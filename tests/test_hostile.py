@@ -345,6 +345,8 @@ def test_prepare_mistakes(capsys, tmp_path):
     _prepare([f"--input={tmp_path / 'none'}", f"--output={tmp_path / 'o2'}", "--workers=1"], capsys, "no such file")
     _prepare([f"--input={src}", f"--output={tmp_path / 'o3'}", "--val_fraction=nan"], capsys, "--val_fraction")
     _prepare([f"--input={src}", "--output=/proc/titan_te_out", "--workers=1"], capsys, "cannot be created")
+    # an unset variable in a script (--output=$OUT): not the current directory
+    _prepare([f"--input={src}", "--output=", "--workers=1", "--overwrite"], capsys, "--output is empty")
 
 
 # --- checkpoints --------------------------------------------------------------------------------------
@@ -520,6 +522,7 @@ def test_export_mistakes(run, capsys, tmp_path):
     _export(["--checkpoint", str(run / "debug"), "--out", str(out)], capsys,
             f"the newest complete one under it is {ck / 'step-4'}")
     _export(["--checkpoint", str(tmp_path / "nothing"), "--out", str(out)], capsys, "not a complete DCP checkpoint")
+    _export(["--checkpoint", str(tmp_path / "nothing"), "--out", ""], capsys, "--out is empty")
     a_file = tmp_path / "file"
     a_file.write_text("x")
     _export(["--checkpoint", str(ck / "step-4"), "--out", str(a_file)], capsys, "is a file, not a folder")

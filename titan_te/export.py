@@ -209,7 +209,7 @@ def _main(argv) -> int:
                     help="dtype of the exported weights (default: %(default)s, as checkpoint.export_dtype)")
     a = ap.parse_args(argv)
     for key in ("checkpoint", "out"):
-        check_path(f"--{key}", getattr(a, key), "")
+        check_path(f"--{key}", getattr(a, key), "", required=True)
     stderr_is_clean()
     SIGNALS.doing(f"exporting to {a.out}")
     print(export(Path(a.checkpoint), Path(a.out), a.dtype))

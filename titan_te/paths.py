@@ -9,10 +9,13 @@ PATH_MAX, NAME_MAX = 4095, 255  # bytes, Linux's limits
 RUN_FOLDER_ROOM = 160  # bytes the run writes below its folder (checkpoint/step-N.tmp/__R_I.distcp, tb/events...)
 
 
-def check_path(key: str, value: str, where: str, room: int = 0) -> None:
+def check_path(key: str, value: str, where: str, room: int = 0, required: bool = False) -> None:
     """A path the operating system can take: no NUL byte, no name over 255 bytes, at most 4095 bytes in
-    all with `room` bytes to spare for what the run writes below it."""
+    all with `room` bytes to spare for what the run writes below it; when `required`, not empty (an unset
+    variable in a script, which would otherwise mean the current directory)."""
     where = f" {where}" if where else ""
+    if required and not value:
+        raise ConfigError(f"{key} is empty; it names a file or folder{where}")
     if "\0" in value:
         raise ConfigError(f"{key} = {value!r} holds a NUL character, which a file path cannot hold{where}")
     raw = os.fsencode(value)

@@ -156,6 +156,8 @@ def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None
     """A value within its option's choices and bounds; no float option takes NaN or inf; a path the OS
     can take."""
     if f.metadata.get("path") and isinstance(value, str):
+        if not value and f.default:  # e.g. --job.dump_folder=$DIR with DIR unset: not the current directory
+            raise ConfigError(f"{key} is empty; it names a folder (default {f.default!r}) {where}")
         check_path(key, value, where)
     if f.metadata.get("choices") and value not in f.metadata["choices"]:
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(f.metadata['choices'])}"

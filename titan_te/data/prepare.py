@@ -350,7 +350,7 @@ def _main(argv: list[str]) -> int:
     if a.workers < 1 or not 0 <= a.val_fraction < 1 or a.shard_tokens < 1:
         raise DataError("--workers and --shard_tokens must be >= 1 and --val_fraction within [0, 1)")
     for key in ("input", "output", "tokenizer_path"):
-        check_path(f"--{key}", getattr(a, key), "")
+        check_path(f"--{key}", getattr(a, key), "", required=key != "tokenizer_path")
     SIGNALS.doing(f"preparing {a.output} (nothing was published there)")
     counts = prepare(a.input, Path(a.output), TokenizerArgs(a.tokenizer, a.tokenizer_path), a.workers,
                      a.val_fraction, a.text_field, a.shard_tokens, hf_subset=a.hf_subset, hf_split=a.hf_split,
