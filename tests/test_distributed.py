@@ -119,3 +119,15 @@ def test_init_writes_into_the_shards_the_optimizer_holds():
     with tempfile.TemporaryDirectory() as tmp:
         written, into_shards, shards = run_ranks(_init_targets, 2, tmp)[0]
     assert shards > 0 and written == into_shards == shards
+
+
+def test_the_shared_gpu_mode_on_the_cpu_says_it_has_no_effect(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from titan_te.trainer import Trainer
+
+    monkeypatch.setenv("TITAN_TE_SHARE_GPU", "1")
+    with caplog.at_level(logging.INFO, logger="titan_te"), Trainer(make_cfg(tmp_path, training={"steps": 1})) as tr:
+        tr.train()
+    assert "parallel: fsdp on 1 rank(s) (dp_replicate 1 x dp_shard 1), device cpu; TITAN_TE_SHARE_GPU=1 has no " \
+           "effect here (it puts the ranks of a GPU run on one GPU)" in caplog.text

@@ -39,7 +39,7 @@ from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dims import ParallelDims
-from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0
+from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0, shared_gpu
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
 from titan_te.errors import ConfigError, Interrupted, OutOfMemory, UserError
 from titan_te.preemption import SIGNALS, preempted
@@ -317,6 +317,8 @@ class Trainer:
             f" (parallelism.unsharded_one_rank: runs as {self.parallel}, without FSDP's copies)"
         shared = (f"; {SHARE_GPU}=1: every rank on {self.device} over gloo, a testing mode (slow, not for "
                   f"training)") if self.env.shared_gpu else ""
+        if self.device.type == "cpu" and shared_gpu():
+            shared = f"; {SHARE_GPU}=1 has no effect here (it puts the ranks of a GPU run on one GPU)"
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
                     f"({' x '.join(f'{n} {s}' for n, s in self.env.dims.dims)}), device {self.device}{shared}")
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
