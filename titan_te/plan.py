@@ -80,10 +80,12 @@ def _model(cfg, vocab: int):
 
 
 def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
-    """With fp8.params, the 2-D weights of the blocks are FP8 (but those of fp8.bf16_layers)."""
-    if not (cfg.fp8.enable and cfg.fp8.params) or p.ndim != 2 or not name.startswith("layers."):
+    """With fp8.params, the 2-D weights of the blocks that run in FP8 are FP8."""
+    from titan_te.te.policy import fp8_block
+
+    if not cfg.fp8.params or p.ndim != 2 or not name.startswith("layers."):
         return False
-    return int(name.split(".")[1]) not in {i % n_layers for i in cfg.fp8.bf16_layers}
+    return fp8_block(cfg.fp8, int(name.split(".")[1]), n_layers)
 
 
 def _keeps_gathered(unit: list, model, fp8: set, names: dict, acfg, mode: str) -> bool:

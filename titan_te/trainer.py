@@ -315,9 +315,10 @@ class Trainer:
                     f"{a.n_layers} layers, dim {a.dim}, vocab {a.vocab_size}, backend {self.backend}")
         ran = "" if self.parallel == p.data_parallel else \
             f" (parallelism.unsharded_one_rank: runs as {self.parallel}, without FSDP's copies)"
-        shared = (f"; {SHARE_GPU}=1: every rank on {self.device} over gloo, a testing mode (slow, not for "
-                  f"training)") if self.env.shared_gpu else ""
-        if self.device.type == "cpu" and shared_gpu():
+        shared = ""
+        if self.env.shared_gpu:
+            shared = f"; {SHARE_GPU}=1: every rank on {self.device} over gloo, a testing mode (slow, not for training)"
+        elif shared_gpu():  # asked for, on the CPU
             shared = f"; {SHARE_GPU}=1 has no effect here (it puts the ranks of a GPU run on one GPU)"
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
                     f"({' x '.join(f'{n} {s}' for n, s in self.env.dims.dims)}), device {self.device}{shared}")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_te.init_weights import local_tensor
 from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
-from titan_te.optim.fused_adam import local_tensor
 from titan_te.optim.param_groups import decay_groups
 from titan_te.te import kernels, tensors
 

@@ -16,6 +16,12 @@ from titan_te.te import tensors
 from titan_te.te.recipes import RECIPES
 
 
+def fp8_block(fcfg, layer_id: int, n_layers: int) -> bool:
+    """Whether block `layer_id` of `n_layers` runs in FP8 under the [fp8] section `fcfg` (fp8.bf16_layers keeps
+    some in bf16; negative ids count back). The planner asks it too, without building a policy."""
+    return fcfg.enable and layer_id not in {i % n_layers for i in fcfg.bf16_layers}
+
+
 class FP8Policy:
     def __init__(self, fcfg, amax_group=None):
         self.enabled = fcfg.enable
@@ -23,15 +29,15 @@ class FP8Policy:
         self.amax_group = amax_group
         self.weights = fcfg.enable and fcfg.params  # FP8 weights (TE's quantized_model_init)
         self.head = fcfg.head if fcfg.enable else "off"  # the fused head's FP8 GEMMs (fp8.head)
-        self._bf16_layers = tuple(fcfg.bf16_layers)
+        self._fcfg = fcfg
         self._keep_init = fcfg.enable and fcfg.params and fcfg.preserve_high_precision_init
         self._init_values: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
         self._fp8_weight_blocks: set[int] = set()
 
     # --- models ---------------------------------------------------------------------------------------
     def block_fp8(self, layer_id: int, n_layers: int) -> bool:
-        """Whether block `layer_id` runs in FP8 (fp8.bf16_layers keeps some in bf16; negative ids count back)."""
-        return self.enabled and layer_id not in {i % n_layers for i in self._bf16_layers}
+        """Whether block `layer_id` runs in FP8 (fp8_block)."""
+        return fp8_block(self._fcfg, layer_id, n_layers)
 
     def block_init(self, layer_id: int, n_layers: int):
         """The context to build block `layer_id` in: FP8 weights when fp8.params is on and the block is FP8."""
