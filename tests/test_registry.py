@@ -36,9 +36,10 @@ def test_every_registry_entry_answers_for_its_name_and_capabilities():
 
     for reg in (MODELS, BACKENDS, PARALLELISMS, OPTIMIZERS, RECIPES):
         assert reg.names() and all(reg.get(n).name == n for n in reg.names()), reg.kind
-    assert {n: (s.multi_process, s.replicates, s.reduces_grads_itself) for n, s in
+    assert {n: (s.multi_process, s.replicates, s.reduces_grads_itself, s.shards_params) for n, s in
             ((n, PARALLELISMS.get(n)) for n in PARALLELISMS.names())} == {
-        "ddp": (True, False, False), "fsdp": (True, False, True), "hsdp": (True, True, True), "none": (False, False, False)}
+        "ddp": (True, False, False, False), "fsdp": (True, False, True, True), "hsdp": (True, True, True, True),
+        "none": (False, False, False, False)}
     te, torch_ = BACKENDS.get("te"), BACKENDS.get("torch")
     assert (te.needs_cuda, te.fp8, te.compiles_blocks) == (True, True, False) and "transformer_engine" in te.install
     assert (torch_.needs_cuda, torch_.fp8, torch_.available()) == (False, False, "")

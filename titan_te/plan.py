@@ -66,7 +66,39 @@ def activation_bytes_per_token_layer(args, fp8: bool) -> float:
     return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + low * d + 4 * f + low * f
 
 
-def _model(cfg, vocab: int):
+@dataclass
+class _Model:
+    """What the plan needs of the model: built on the meta device, its FP8 weights and its FSDP units."""
+    spec: object
+    args: object
+    model: object
+    params: dict  # name -> parameter
+    fp8: set  # names of the parameters that are FP8 (fp8.params)
+    units: list  # FSDP units, each a list of modules
+    unit_bytes: list  # each unit's gathered bytes (FP8 weights as FP8, the rest bf16)
+    unit_grads: list  # each unit's unsharded bf16 gradient bytes
+
+    @property
+    def n_fp8(self) -> int:
+        return sum(self.params[n].numel() for n in self.fp8)
+
+    @property
+    def n_other(self) -> int:
+        return sum(p.numel() for n, p in self.params.items() if n not in self.fp8)
+
+    def keeps_gathered(self, unit: list, acfg, mode: str) -> bool:
+        """A unit of blocks with FP8 weights that activation checkpointing (`mode`) recomputes (parallel/
+        wrappers.py's choice): FSDP keeps its gathered weights from its forward to its backward
+        (FP8Policy.keeps_gathered)."""
+        from titan_te.parallel.wrappers import recomputed
+
+        blocks = {id(b): int(k) for k, b in self.model.layers.items()}
+        names = {id(p): n for n, p in self.params.items()}
+        return all(id(m) in blocks and recomputed(blocks[id(m)], mode, acfg.every_n)
+                   and any(names[id(p)] in self.fp8 for p in m.parameters()) for m in unit)
+
+
+def _build_model(cfg, vocab: int) -> _Model:
     import torch
 
     from titan_te.data.tokenizers import padded_vocab
@@ -76,7 +108,13 @@ def _model(cfg, vocab: int):
     args = spec.args_for(cfg.model.flavor, padded_vocab(vocab), cfg.training.seq_len, cfg.model.n_layers)
     with torch.device("meta"):
         model = spec.build(args, "torch")
-    return spec, args, model
+    params = dict(model.named_parameters())
+    fp8 = {n for n, p in params.items() if _is_fp8(n, p, cfg, args.n_layers)}
+    names = {id(p): n for n, p in params.items()}
+    units = [u if isinstance(u, list) else [u] for u in spec.fsdp_units(model)]
+    unit_bytes = [sum(p.numel() * (1 if names[id(p)] in fp8 else 2) for m in u for p in m.parameters()) for u in units]
+    unit_grads = [sum(p.numel() * 2 for m in u for p in m.parameters()) for u in units]
+    return _Model(spec, args, model, params, fp8, units, unit_bytes, unit_grads)
 
 
 def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
@@ -88,104 +126,88 @@ def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
     return fp8_block(cfg.fp8, int(name.split(".")[1]), n_layers)
 
 
-def _keeps_gathered(unit: list, model, fp8: set, names: dict, acfg, mode: str) -> bool:
-    """A block with FP8 weights that activation checkpointing (`mode`) recomputes (parallel/wrappers.py's
-    choice): FSDP keeps its gathered weights from its forward to its backward (FP8Policy.keeps_gathered)."""
-    from titan_te.parallel.wrappers import recomputed
-
-    blocks = {id(b): int(k) for k, b in model.layers.items()}
-    return all(id(m) in blocks and recomputed(blocks[id(m)], mode, acfg.every_n)
-               and any(names[id(p)] in fp8 for p in m.parameters()) for m in unit)
+def _activations(cfg, m: _Model, vocab: int, tokens: int) -> tuple[dict, float]:
+    """Bytes of activations kept for the backward per activation-checkpoint mode, and the output head's."""
+    args, every_n = m.args, cfg.activation_checkpoint.every_n
+    per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable) * tokens
+    layer_input = 2 * args.dim * tokens
+    acts = {"none": args.n_layers * per_layer,
+            "every_n": (args.n_layers - args.n_layers // every_n) * per_layer
+            + (args.n_layers // every_n) * layer_input + per_layer,
+            "full": args.n_layers * layer_input + per_layer}
+    rows = getattr(args, "vocab_size", vocab)
+    if cfg.model.fused_loss and m.spec.computes_loss:  # one chunk of bf16 logits, the hidden states' and the
+        head = min(CHUNK_LOGITS_BYTES, tokens * rows * 2) + tokens * args.dim * 2 + rows * args.dim * 4
+    else:  # weight's FP32 gradient, kept from the forward (loss.py); else FP32 logits, their gradient, bf16 twin
+        head = tokens * rows * (4 + 4 + 2)
+    return acts, head
 
 
 def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
               breakdown: dict | None = None) -> Plan:
     from titan_te import config as config_mod
     from titan_te.optim import OPTIMIZERS
+    from titan_te.parallel import select
 
     world = ngpu * nnodes
     rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
-    parallel = cfg.parallelism.data_parallel
-    if world == 1 and cfg.parallelism.unsharded_one_rank:
-        parallel = "none"
-    sharded = parallel in ("fsdp", "hsdp")
-    div = shard if sharded else 1
-    spec, args, model = _model(cfg, vocab)
-    params = dict(model.named_parameters())
-    fp8 = {n for n, p in params.items() if _is_fp8(n, p, cfg, args.n_layers)}
-    n_fp8 = sum(params[n].numel() for n in fp8)
-    n_other = sum(p.numel() for n, p in params.items() if n not in fp8)
+    parallel = select(cfg.parallelism, world)
+    div = shard if parallel.shards_params else 1
+    gathers = parallel.shards_params and div > 1  # FSDP moves weights and gradients between the shards
+    m = _build_model(cfg, vocab)
+    n_fp8, n_other = m.n_fp8, m.n_other
     opt = OPTIMIZERS.get(cfg.optimizer.name)
-    weights = (n_fp8 * 1 + n_other * 4) / div
-    grads = (n_fp8 + n_other) * 4 / div
-    state = (n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)) / div
+    state_full = n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)
+    weights, grads, state = (n_fp8 * 1 + n_other * 4) / div, (n_fp8 + n_other) * 4 / div, state_full / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
     # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
-    units = [u if isinstance(u, list) else [u] for u in spec.fsdp_units(model)]
-    names = {id(p): n for n, p in params.items()}
-    unit_bytes = [sum(p.numel() * (1 if names[id(p)] in fp8 else 2) for m in u for p in m.parameters()) for u in units]
-    unit_grads = [sum(p.numel() * 2 for m in u for p in m.parameters()) for u in units]
-    transient = (2 * max(unit_bytes) + 2 * max(unit_grads)) if sharded and div > 1 else 0
-    t = cfg.training
+    transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
+    t, acfg = cfg.training, cfg.activation_checkpoint
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
-    fp8_gemms = cfg.fp8.enable
-    per_layer = activation_bytes_per_token_layer(args, fp8_gemms) * tokens
-    layer_input = 2 * args.dim * tokens
-    acts = {"none": args.n_layers * per_layer,
-            "every_n": (args.n_layers - args.n_layers // cfg.activation_checkpoint.every_n) * per_layer
-            + (args.n_layers // cfg.activation_checkpoint.every_n) * layer_input + per_layer,
-            "full": args.n_layers * layer_input + per_layer}
-    vocab_rows = getattr(args, "vocab_size", vocab)
-    if cfg.model.fused_loss and spec.computes_loss:  # one chunk of bf16 logits, the hidden states' and the
-        head = min(CHUNK_LOGITS_BYTES, tokens * vocab_rows * 2) + tokens * args.dim * 2 + vocab_rows * args.dim * 4
-    else:  # weight's FP32 gradient, kept from the forward (loss.py); else FP32 logits, their gradient, bf16 twin
-        head = tokens * vocab_rows * (4 + 4 + 2)
+    acts, head = _activations(cfg, m, vocab, tokens)
     plan = Plan()
     memory, peak_flops = GPUS[gpu]
-    block_grads = max(unit_grads) * 2 / div if unit_grads else 0  # FP32, sharded
+    block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
     for mode in AC_MODES:
         # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
-        kept = 0 if not (sharded and div > 1) else sum(
-            b for u, b in zip(units, unit_bytes) if _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint, mode))
-        plan.kept_gathered[mode] = kept
+        plan.kept_gathered[mode] = 0 if not gathers else sum(
+            b for u, b in zip(m.units, m.unit_bytes) if m.keeps_gathered(u, acfg, mode))
         # the peak is at the start of the backward (every activation, the head's buffers, the first unit's
         # gradients, the kept gathered blocks) or in the optimizer step (every gradient, no activation):
         # gradients replace activations block by block as the backward goes
-        plan.peak[mode] = weights + state + transient + WORKSPACE + max(acts[mode] + head + block_grads + kept, grads)
+        plan.peak[mode] = weights + state + transient + WORKSPACE + max(
+            acts[mode] + head + block_grads + plan.kept_gathered[mode], grads)
         plan.fits[mode] = plan.peak[mode] <= memory
     # checkpoint: weights as stored (FP8 1 byte, others FP32) + optimizer state (what DCP writes)
-    plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + (n_fp8 * opt.state_bytes(cfg.optimizer, True)
-                                                         + n_other * opt.state_bytes(cfg.optimizer, False))
+    plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + state_full
     # communication per rank per step: FSDP gathers every unit in the forward, and in the backward again each
     # unit that resharded after its forward (reshard_after_forward: all but the last, which the backward needs
     # first, and but a recomputed block with FP8 weights, which keeps its gathered weights); it reduce-scatters
     # FP32 gradients once; (shard-1)/shard of each travels
-    regathered = sum(b for i, (u, b) in enumerate(zip(units, unit_bytes))
-                     if cfg.parallelism.reshard_after_forward and i < len(units) - 1
-                     and not _keeps_gathered(u, model, fp8, names, cfg.activation_checkpoint,
-                                             cfg.activation_checkpoint.mode))
-    full_bf16 = n_fp8 * 1 + n_other * 2
-    if sharded and div > 1:
-        plan.gather_bytes = (full_bf16 + regathered) * (div - 1) / div
+    regathered = sum(b for i, (u, b) in enumerate(zip(m.units, m.unit_bytes))
+                     if cfg.parallelism.reshard_after_forward and i < len(m.units) - 1
+                     and not m.keeps_gathered(u, acfg, acfg.mode))
+    if gathers:
+        plan.gather_bytes = (n_fp8 * 1 + n_other * 2 + regathered) * (div - 1) / div
         plan.scatter_bytes = (n_fp8 + n_other) * 4 * (div - 1) / div
     replicate_bytes = 0.0
-    if rep > 1 or parallel == "ddp":  # an all-reduce of the (sharded) FP32 gradients over the replicas
-        group = rep if rep > 1 else world
+    group = rep if rep > 1 else (world if parallel.multi_process and not parallel.shards_params else 1)
+    if group > 1:  # an all-reduce of the (sharded) FP32 gradients over the replicas (HSDP's, DDP's)
         replicate_bytes = 2 * (n_fp8 + n_other) * 4 / div * (group - 1) / group
-    intra = ngpu >= div  # the shard group on one node: NVLink, else InfiniBand bounds the ring
-    comm_s = (plan.gather_bytes + plan.scatter_bytes) / ((nvlink if intra and nnodes == 1 or div <= ngpu else ib) * 1e9)
+    shard_link = nvlink if div <= ngpu else ib  # the shard group within one node: NVLink, else InfiniBand
+    comm_s = (plan.gather_bytes + plan.scatter_bytes) / (shard_link * 1e9)
     comm_s += replicate_bytes / ((ib if nnodes > 1 else nvlink) * 1e9)
     grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
     step_tokens = tokens * grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
-    mode = cfg.activation_checkpoint.mode
-    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / cfg.activation_checkpoint.every_n}[mode]
-    compute_s = _compute_s(breakdown, step_tokens, args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
-    exposed = (max(unit_bytes) / ((nvlink if div <= ngpu else ib) * 1e9)) if sharded and div > 1 else 0.0
+    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / acfg.every_n}[acfg.mode]
+    compute_s = _compute_s(breakdown, step_tokens, m.args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
+    exposed = max(m.unit_bytes) / (shard_link * 1e9) if gathers else 0.0
     plan.step_s = {"no overlap": compute_s + comm_s, "overlap": max(compute_s, comm_s) + exposed}
     plan.tokens_per_s = {k: step_tokens / v for k, v in plan.step_s.items()}
+    measured = "measured breakdown" if breakdown else f"FLOPs at {ASSUMED_MFU:.0%} MFU"
     plan.rows = [
-        ("world", f"{world} ranks ({nnodes} node(s) x {ngpu}); {parallel}, replicate {rep} x shard {shard}"),
+        ("world", f"{world} ranks ({nnodes} node(s) x {ngpu}); {parallel.name}, replicate {rep} x shard {shard}"),
         ("parameters", f"{(n_fp8 + n_other) / 1e9:,.2f} B ({n_fp8 / 1e9:,.2f} B in FP8, {n_other / 1e9:,.2f} B "
                        f"higher precision)"),
         ("weights / rank", f"{_gib(weights)} (FP8 {_gib(n_fp8 / div)}, FP32 {_gib(n_other * 4 / div)})"),
@@ -194,20 +216,20 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
         ("FSDP gathers in flight", _gib(transient)),
         ("output head", _gib(head)),
         ("workspaces (allowance)", _gib(WORKSPACE)),
-        *[(f"activations, AC {m}", _gib(acts[m])) for m in AC_MODES],
-        *[(f"kept gathered, AC {m}", _gib(plan.kept_gathered[m])) for m in AC_MODES
-          if plan.kept_gathered[m]],
-        *[(f"peak / rank, AC {m}", f"{_gib(plan.peak[m])} of {_gib(memory)} on a {gpu}: "
-                                   f"{'fits' if plan.fits[m] else 'does NOT fit'}") for m in AC_MODES],
-        ("activation checkpointing", f"{mode} (configured); the lightest that fits: "
-                                     f"{next((m for m in AC_MODES if plan.fits[m]), 'none of them')}"),
+        *[(f"activations, AC {mode}", _gib(acts[mode])) for mode in AC_MODES],
+        *[(f"kept gathered, AC {mode}", _gib(plan.kept_gathered[mode])) for mode in AC_MODES
+          if plan.kept_gathered[mode]],
+        *[(f"peak / rank, AC {mode}", f"{_gib(plan.peak[mode])} of {_gib(memory)} on a {gpu}: "
+                                      f"{'fits' if plan.fits[mode] else 'does NOT fit'}") for mode in AC_MODES],
+        ("activation checkpointing", f"{acfg.mode} (configured); the lightest that fits: "
+                                     f"{next((mode for mode in AC_MODES if plan.fits[mode]), 'none of them')}"),
         ("one checkpoint", f"{plan.checkpoint_bytes / 1e9:,.1f} GB ({plan.checkpoint_bytes / world / 1e9:,.2f} GB "
                            f"per rank)"),
         ("all-gather / rank / step", f"{plan.gather_bytes / 1e9:,.2f} GB"),
         ("reduce-scatter / rank / step", f"{plan.scatter_bytes / 1e9:,.2f} GB"),
         ("replica all-reduce / step", f"{replicate_bytes / 1e9:,.2f} GB"),
-        ("compute / step", f"{compute_s * 1e3:,.0f} ms ({'measured breakdown' if breakdown else f'FLOPs at {ASSUMED_MFU:.0%} MFU'}"
-                           f"{f', AC {mode} recomputes' if recomputed else ''})"),
+        ("compute / step", f"{compute_s * 1e3:,.0f} ms ({measured}"
+                           f"{f', AC {acfg.mode} recomputes' if recomputed else ''})"),
         ("communication / step", f"{comm_s * 1e3:,.0f} ms (NVLink {nvlink:g} GB/s, InfiniBand {ib:g} GB/s per GPU)"),
         *[(f"step, {k}", f"{v * 1e3:,.0f} ms = {plan.tokens_per_s[k]:,.0f} tokens/s per GPU")
           for k, v in plan.step_s.items()],

@@ -36,7 +36,7 @@ from titan_te.metrics import DeviceValues, MetricsLogger, PendingStep, causal_fl
 from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
-from titan_te.parallel import PARALLELISMS
+from titan_te.parallel import select as parallel_select
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dims import ParallelDims
 from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0, shared_gpu
@@ -209,9 +209,7 @@ class Trainer:
         if compile_cfg.enable:
             apply_compile(model, self.backend)
         mp = mixed_precision(self.device_type, t.mixed_precision_param, t.mixed_precision_reduce)
-        parallel = PARALLELISMS.get(p.data_parallel)
-        if self.env.world_size == 1 and parallel.one_rank and p.unsharded_one_rank:
-            parallel = PARALLELISMS.get(parallel.one_rank)
+        parallel = parallel_select(p, self.env.world_size)
         self.parallel = parallel.name
         train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model), self.fp8)
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.

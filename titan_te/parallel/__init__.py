@@ -15,11 +15,20 @@ class ParallelSpec:
     multi_process: bool = True  # False: runs on one process only
     replicates: bool = False  # takes data_parallel_replicate_degree > 1 (a 2-D replicate x shard mesh)
     reduces_grads_itself: bool = False  # reduce-scatters param.grad in its own hooks (FSDP2)
+    shards_params: bool = False  # each rank keeps 1/shard of every parameter, gathered before use (FSDP2)
     # the entry that may run in its place on a world of one rank (parallelism.unsharded_one_rank): FSDP
     # there only copies parameters into and gradients out of its buffers
     one_rank: str | None = None
 
 
 PARALLELISMS: Registry[ParallelSpec] = Registry("data parallelism")
+
+
+def select(pcfg, world_size: int) -> ParallelSpec:
+    """The parallelism that runs: the configured one, or its one-rank stand-in on a world of one rank."""
+    spec = PARALLELISMS.get(pcfg.data_parallel)
+    if world_size == 1 and spec.one_rank and pcfg.unsharded_one_rank:
+        return PARALLELISMS.get(spec.one_rank)
+    return spec
 
 from titan_te.parallel import data_parallel  # noqa: E402,F401  (registers fsdp, hsdp, ddp, none)

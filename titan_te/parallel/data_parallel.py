@@ -71,9 +71,9 @@ def apply_none(model, env, pcfg, mp, units, fp8=None):
 
 
 PARALLELISMS.register("fsdp")(ParallelSpec("fsdp", apply_fsdp, casts_params=True, reduces_grads_itself=True,
-                                           one_rank="none"))
+                                           shards_params=True, one_rank="none"))
 PARALLELISMS.register("hsdp")(ParallelSpec("hsdp", apply_hsdp, casts_params=True, reduces_grads_itself=True,
-                                           replicates=True, one_rank="none"))
+                                           shards_params=True, replicates=True, one_rank="none"))
 PARALLELISMS.register("ddp")(ParallelSpec("ddp", apply_ddp))
 PARALLELISMS.register("none")(ParallelSpec("none", apply_none, multi_process=False))
 
