@@ -43,6 +43,8 @@ def train(argv, capsys, expect, fragment, tmp_path=None):
 
 # --- config and command line: refused before anything is built ---------------------------------------
 CLI = [
+    ("--fp8.bf16_layers=0,x", "fp8.bf16_layers is a list of int, got the element 'x' (on the command line)"),
+    ("--fp8.bf16_layers=9", "fp8.bf16_layers = [9]: 9 is not a block of this model; it has 4 blocks"),
     ("--optimizer.lr=nan", "optimizer.lr must be a finite number, got nan"),
     ("--optimizer.lr=inf", "optimizer.lr must be a finite number, got inf"),
     ("--optimizer.lr=-1e-3", "optimizer.lr must be > 0, got -0.001"),
@@ -144,7 +146,16 @@ TOML = [
     ("[training]\nstep = 3\n", "did you mean 'training.steps'"),
     ("[checkpoint]\nenable = \"yes\"\n", "checkpoint.enable expects bool"),
     ("[job]\nname = \"\"\n", "job.name = '' must be a plain folder name"),
-    ("[fp8]\nbf16_layers = [\"a\"]\n", "fp8.bf16_layers holds block indices"),
+    ("[fp8]\nbf16_layers = [\"a\"]\n", "fp8.bf16_layers is a list of int, got the element 'a'"),
+    ("[fp8]\nbf16_layers = [true]\n", "fp8.bf16_layers is a list of int, got the element True"),
+    # an index past the end wrapped around onto another block (32 % 4 = block 0 kept in bf16, silently)
+    ("[fp8]\nbf16_layers = [0, 4]\n", "fp8.bf16_layers = [0, 4]: 4 is not a block of this model; it has 4 blocks"),
+    ("[fp8]\nbf16_layers = [-5]\n", "-5 is not a block of this model; it has 4 blocks, indices 0 to 3 (or -4"),
+    # a nested list reached the registry lookup as an unhashable key: TypeError and a traceback
+    ("[checkpoint]\nexclude_from_loading = [[\"rng\"]]\n",
+     "checkpoint.exclude_from_loading is a list of str, got the element ['rng']"),
+    ("[checkpoint]\nexclude_from_loading = [{a = 1}]\n", "checkpoint.exclude_from_loading is a list of str"),
+    ("[profiling]\nmemory_snapshot_steps = [2, 1.5]\n", "profiling.memory_snapshot_steps is a list of int"),
 ]
 
 

@@ -190,7 +190,7 @@ class Profiling:
                              path="run")
     enable_memory_snapshot: bool = opt(False, "record CUDA allocations; write a snapshot at "
                                               "memory_snapshot_steps and on out-of-memory")
-    memory_snapshot_steps: list = opt([], "steps after which a CUDA memory snapshot is written")
+    memory_snapshot_steps: list[int] = opt([], "steps after which a CUDA memory snapshot is written")
     memory_snapshot_folder: str = opt("memory_snapshot", "snapshot folder inside the run folder (or an absolute "
                                                           "path)", path="run")
     memory_history_entries: int = opt(100000, "allocation events kept for the snapshot", bounds=Bounds(1))
@@ -215,7 +215,7 @@ class Checkpoint:
                                         "lineage, and keep_latest_k over its checkpoints)")
     allow_new_tokenizer: bool = opt(False, "resume a checkpoint trained with another tokenizer (kind, vocabulary or "
                                            "its size): its embedding rows then stand for other tokens")
-    exclude_from_loading: list = opt([], "parts not restored on resume: model, optimizer, lr_scheduler, "
+    exclude_from_loading: list[str] = opt([], "parts not restored on resume: model, optimizer, lr_scheduler, "
                                          "dataloader, train_state, rng, fp8",
                                      registry="titan_te.checkpoint.parts:PARTS")
     max_consecutive_failures: int = opt(2, "saves in a row that may fail for environmental reasons (disk full, "
@@ -244,7 +244,7 @@ class FP8:
                               "needs an optimizer with FP32 master weights")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
                                                    "pre-quantization init values")
-    bf16_layers: list = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
+    bf16_layers: list[int] = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
     attention: bool = opt(False, "also run attention in FP8 (TE's fp8_dpa through cuDNN; delayed or current "
                                  "scaling): faster, slightly less exact")
     head: str = opt("off", "the fused output head in FP8 (current per-tensor scaling): dgrad = the gradient into "
@@ -310,6 +310,8 @@ def _type_of(section_cls: type, name: str) -> type:
 
 
 def _type_name(tp: type) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return {list: "list", bool: "bool", int: "int", float: "float", str: "str"}.get(tp, str(tp))
 
 
@@ -330,6 +332,17 @@ def _registry(spec: str):
 def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
     """Turn a TOML value or a CLI string into the field's type, or raise ConfigError."""
     bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} ({where})")
+    if tp is list or typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else None
+        if isinstance(value, str):  # "dataloader,rng": the command line's form, and read as such in TOML too
+            return [_list_item(v.strip(), item, key, where) for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise bad
+        for v in value:
+            if not _is_item(v, item):
+                kind = _type_name(tp) if item else "list of numbers, strings or booleans"
+                raise ConfigError(f"{key} is a {kind}, got the element {v!r} ({where})")
+        return value
     if isinstance(value, str) and tp is not str and where == "on the command line":  # TOML values are typed
         text = value.strip()
         if tp is bool:  # exactly what the README and --help promise
@@ -338,8 +351,6 @@ def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
             if text.lower() == "false":
                 return False
             raise ConfigError(f"{key} expects true or false, got {value!r} ({where})")
-        if tp is list:
-            return [_list_item(v.strip()) for v in text.split(",") if v.strip()]
         try:
             return tp(text)
         except ValueError:
@@ -356,19 +367,25 @@ def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         raise bad
-    if tp is list:
-        if isinstance(value, list):
-            return value
-        if isinstance(value, str):  # "dataloader,rng" in TOML reads as it does on the command line
-            return [_list_item(v.strip()) for v in value.split(",") if v.strip()]
-        raise bad
     if tp is str and isinstance(value, str):
         return value
     raise bad
 
 
-def _list_item(text: str):
+def _is_item(v: Any, item: type | None) -> bool:
+    """A list's element of the declared type (an int is never a bool); an untyped list holds scalars."""
+    if item is None:
+        return isinstance(v, (int, float, str, bool))
+    return isinstance(v, item) and not (item is int and isinstance(v, bool))
+
+
+def _list_item(text: str, item: type | None, key: str, where: str):
+    """One comma-separated element: typed as the list declares; untyped, an int where it reads as one."""
+    if item is str:
+        return text
     try:
         return int(text)
     except ValueError:
+        if item is int:
+            raise ConfigError(f"{key} is a list of int, got the element {text!r} ({where})") from None
         return text

@@ -190,7 +190,7 @@ def _check_values(cfg: Config, where: str) -> None:
     t = cfg.training
     _check_bounds(cfg, where)
     for step in cfg.profiling.memory_snapshot_steps:
-        if not isinstance(step, int) or step < 1:
+        if step < 1:
             raise ConfigError(f"profiling.memory_snapshot_steps holds step numbers >= 1, got {step!r} {where}")
     if cfg.fp8.params and not cfg.fp8.enable:
         raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
@@ -204,9 +204,6 @@ def _check_values(cfg: Config, where: str) -> None:
             able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention is not None)
             raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
                               f"with it: {able} {where}")
-    for idx in cfg.fp8.bf16_layers:
-        if not isinstance(idx, int):
-            raise ConfigError(f"fp8.bf16_layers holds block indices (ints), got {idx!r} {where}")
 
     from titan_te.models import MODELS
 
@@ -214,6 +211,7 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.model.flavor not in flavors:
         raise ConfigError(f"model.flavor = '{cfg.model.flavor}' is not a flavor of {cfg.model.name}"
                           f"{_closest(cfg.model.flavor, list(flavors))}; valid: {', '.join(flavors)} {where}")
+    _check_block_indices(cfg, getattr(flavors[cfg.model.flavor], "n_layers", None), where)
     if cfg.fp8.head != "off":
         _check_fp8_head(cfg, where)
     problem = MODELS.get(cfg.model.name).check(cfg) if MODELS.get(cfg.model.name).check else ""
@@ -240,6 +238,18 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
                           f"{cfg.checkpoint.load_step} {where}")
+
+
+def _check_block_indices(cfg: Config, flavor_layers: int | None, where: str) -> None:
+    """fp8.bf16_layers names blocks of this model: -n_layers <= index < n_layers (an index past the end
+    would otherwise wrap around onto another block)."""
+    n = cfg.model.n_layers or flavor_layers
+    if not n:
+        return
+    outside = [i for i in cfg.fp8.bf16_layers if not -n <= i < n]
+    if outside:
+        raise ConfigError(f"fp8.bf16_layers = {cfg.fp8.bf16_layers}: {outside[0]} is not a block of this model; "
+                          f"it has {n} blocks, indices 0 to {n - 1} (or -{n} to -1 from the end) {where}")
 
 
 def dp_degrees(p: Parallelism, world: int, where: str = "") -> tuple[int, int]:
