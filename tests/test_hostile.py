@@ -444,6 +444,38 @@ def test_checkpoint_cases(case, run, capsys):
     _train_ck(run, argv, capsys, CHECKPOINT, fragment)
 
 
+# hand-edited or damaged manifests (found by mutating a real one): each of the first three was a TypeError
+# traceback inside the resume (the facts' comparison, the parts' lookup, the resume's log line)
+DAMAGED_MANIFESTS = {
+    "facts-group-null": lambda m: {**m, "facts": {**m["facts"], "model": None}},
+    "parts-not-names": lambda m: {**m, "parts": [1]},
+    "parts-nested": lambda m: {**m, "parts": [["model", "optimizer"]]},
+    "model-only-text": lambda m: {**m, "model_only": "false"},  # bool("false") read it as a model-only save
+    "dp-world-text": lambda m: {**m, "dp_world": "1"},
+    "no-lineage": lambda m: {k: v for k, v in m.items() if k != "lineage"},
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_MANIFESTS))
+def test_a_damaged_manifest_is_not_ours_the_previous_checkpoint_resumes_and_nothing_is_deleted(case, run, capsys):
+    from titan_te.main import main
+
+    ck = run / "debug/checkpoint"
+    path = ck / "step-4/titan_te.json"
+    path.write_text(json.dumps(DAMAGED_MANIFESTS[case](json.loads(path.read_text()))))
+    before = _hashes(ck)
+    capsys.readouterr()
+    assert main([*SMALL, *CK, f"--job.dump_folder={run}", "--training.steps=6"]) == 0
+    log = (run / "debug/logs/rank0.log").read_text()
+    assert f"ignoring {ck / 'step-4'}: not a complete titan_te checkpoint (no readable titan_te.json)" in log
+    assert "resume: from step-2" in log and "Traceback" not in capsys.readouterr().err
+    aside = [p.name for p in ck.iterdir() if p.name.startswith("step-4.replaced-")]
+    assert len(aside) == 1, entries(ck)  # the damaged folder is moved aside when step 4 is saved again, not deleted
+    after = _hashes(ck)
+    assert {k.replace(aside[0], "step-4"): v for k, v in after.items() if k.startswith(aside[0])} == \
+        {k: v for k, v in before.items() if k.startswith("step-4/")}
+
+
 def test_an_unreadable_step_folder_is_skipped_not_a_crash(run, capsys, monkeypatch):
     ck = run / "debug/checkpoint"
     before = _hashes(ck)
@@ -1139,6 +1171,10 @@ def test_export_refuses_an_interrupted_save_and_a_manifest_that_is_not_ours(run,
     _set_manifest(ck / "step-4", files={"__0_0.distcp": "not a checksum"})
     _export(["--checkpoint", str(ck / "step-4"), "--out", str(tmp_path / "hf")], capsys,
             "is not a complete titan_te checkpoint")
+    facts = json.loads((ck / "step-2/titan_te.json").read_text())["facts"]
+    _set_manifest(ck / "step-2", facts={**facts, "export": {k: v for k, v in facts["export"].items() if k != "bos_id"}})
+    _export(["--checkpoint", str(ck / "step-2"), "--out", str(tmp_path / "hf")], capsys,  # was a KeyError
+            f"{ck / 'step-2/titan_te.json'} is damaged: its facts do not name the model")
 
 
 def test_a_run_whose_disk_fills_with_its_own_logs_goes_on_and_says_so(capsys, tmp_path, small_disk):

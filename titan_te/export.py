@@ -83,12 +83,20 @@ class RunFacts:
     eos_id: int
 
 
+RUN_FACT_TYPES = (str, str, int, str, int, int)  # RunFacts' fields, in order
+
+
 def run_facts(ckpt: Path) -> RunFacts:
     manifest = Manifest.read(ckpt)
     facts = manifest.facts if manifest else {}
     if "export" in facts and "model" in facts:
         m, e = facts["model"], facts["export"]
-        return RunFacts(m["name"], m["flavor"], e["seq_len"], e["custom_import"], e["bos_id"], e["eos_id"])
+        values = (m.get("name"), m.get("flavor"), e.get("seq_len"), e.get("custom_import"), e.get("bos_id"),
+                  e.get("eos_id"))
+        if not all(isinstance(v, t) and not isinstance(v, bool) for v, t in zip(values, RUN_FACT_TYPES)):
+            raise ExportError(f"{ckpt / MANIFEST} is damaged: its facts do not name the model (model.name, "
+                              f"model.flavor, export.seq_len, custom_import, bos_id, eos_id: {values})")
+        return RunFacts(*values)
     cfg = _older_run_config(ckpt, manifest)
     tokenizer = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data)
     return RunFacts(cfg.model.name, cfg.model.flavor, cfg.training.seq_len, cfg.job.custom_import,

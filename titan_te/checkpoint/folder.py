@@ -52,17 +52,24 @@ class Manifest:
         try:
             data = json.loads((folder / MANIFEST).read_text())
             m = cls(**{k: data[k] for k in ("step", "lineage", "parts", "dp_world")},
-                    facts=dict(data.get("facts", {})), model_only=bool(data.get("model_only", False)),
-                    format=int(data.get("format", FORMAT)), saved_at=float(data.get("saved_at", 0.0)),
-                    run_folder=str(data.get("run_folder", "")), files=dict(data.get("files", {})))
+                    **{k: data[k] for k in ("facts", "model_only", "format", "saved_at", "run_folder", "files")
+                       if k in data})  # absent in an older titan_te's manifest: the defaults
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if not isinstance(m.step, int) or not isinstance(m.lineage, str) or not isinstance(m.parts, list):
-            return None
-        if not all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
-                   for k, v in m.files.items()):
-            return None  # checksums that are not {file: [size, checksum]}: not a manifest of ours
-        return m
+        return m if m._well_formed() else None
+
+    def _well_formed(self) -> bool:
+        """The types this package writes (a hand-edited or damaged manifest is not a manifest of ours)."""
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        return (is_int(self.step) and isinstance(self.lineage, str) and is_int(self.dp_world) and self.dp_world >= 1
+                and isinstance(self.parts, list) and all(isinstance(p, str) for p in self.parts)
+                and isinstance(self.model_only, bool) and is_int(self.format) and isinstance(self.run_folder, str)
+                and isinstance(self.saved_at, (int, float)) and isinstance(self.facts, dict) and isinstance(self.files, dict)
+                and all(isinstance(k, str) and isinstance(v, dict) for k, v in self.facts.items())
+                and all(isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(is_int(x) for x in v)
+                        for k, v in self.files.items()))  # checksums: {file: [size, checksum]}
 
 
 def new_lineage() -> str:
