@@ -1020,7 +1020,9 @@ def test_a_head_node_whose_peer_never_joins_names_it_within_the_rendezvous_timeo
      "RANK=3 in the environment must be within [0, 1]"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0x"},
      "MASTER_PORT='0x' in the environment is not a whole number"),
-], ids=["stale-rank", "wrong-master", "rank-beyond-world", "bad-port"])
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "LOCAL_RANK": "one"},
+     "LOCAL_RANK='one' in the environment is not a whole number"),  # a ValueError traceback after the rendezvous
+], ids=["stale-rank", "wrong-master", "rank-beyond-world", "bad-port", "bad-local-rank"])
 def test_stale_or_wrong_rendezvous_variables_are_one_line(env, fragment, tmp_path):
     import subprocess
     import sys

@@ -55,7 +55,7 @@ def init_distributed(device_type: str, dims: ParallelDims, timeout_s: int = 1800
     """Meet the other ranks (rendezvous.join: a short, stated wait), join the process group and build the
     mesh of every parallel dimension."""
     store, rank, world = rendezvous.join(rendezvous_timeout_s)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "").strip() or 0)  # a whole number: rendezvous.join checked it
     share = shared_gpu() and device_type == "cuda"
     if device_type == "cuda":
         if not share and local_rank >= torch.cuda.device_count():

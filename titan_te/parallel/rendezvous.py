@@ -53,6 +53,8 @@ def join(timeout_s: int) -> tuple[dist.Store, int, int]:
         return store, 0, 1
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0, world - 1)
+    if os.environ.get("LOCAL_RANK", "").strip():  # init_distributed picks the GPU by it
+        _env_int("LOCAL_RANK", 0, world - 1)
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if not addr or not port:
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} are set in the environment, MASTER_ADDR / MASTER_PORT "
