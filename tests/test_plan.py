@@ -89,9 +89,19 @@ def test_a_measured_breakdown_sets_the_compute_time(tmp_path, capsys):
      "plan error: training.global_batch_size = 4 is not divisible"),
     (["--gpu", "H300"], "plan error: argument --gpu: invalid choice"),
     (["--breakdown", "/nonexistent.json"], "plan error: --breakdown /nonexistent.json"),
+    (["--nvlink_gbs", "0"], "plan error: --nvlink_gbs must be a bandwidth > 0 in GB/s, got 0.0"),  # was a
+    (["--ib_gbs", "nan"], "plan error: --ib_gbs must be a bandwidth > 0"),  # ZeroDivisionError; nan tokens/s
+    (["--breakdown", "{dir}/no_parts.json"], "plan error: --breakdown {dir}/no_parts.json: not a train_bench "
+                                             "--json file with that run (KeyError: 'parts')"),
+    (["--breakdown", "{dir}/zero_step.json"], "plan error: --breakdown {dir}/zero_step.json: not a train_bench "
+                                              "--json file with that run (ValueError: step_s, tokens and gpus"),
 ])
-def test_planner_mistakes_are_one_line(argv, fragment, capsys):
+def test_planner_mistakes_are_one_line(argv, fragment, capsys, tmp_path):
     from titan_te.plan import main
+
+    (tmp_path / "no_parts.json").write_text(json.dumps({"8b": {"step_s": 0.5, "tokens": 8192}}))
+    (tmp_path / "zero_step.json").write_text(json.dumps({"8b": {"step_s": 0, "tokens": 8192, "parts": {}}}))
+    argv, fragment = [a.replace("{dir}", str(tmp_path)) for a in argv], fragment.replace("{dir}", str(tmp_path))
 
     assert main(argv) == 2
     err = capsys.readouterr().err

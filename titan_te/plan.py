@@ -23,6 +23,7 @@ if __name__ == "__main__":
     SIGNALS.install_early()  # before the imports below: a Ctrl-C while they load is one line too
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,6 +248,14 @@ def _compute_s(breakdown: dict | None, step_tokens: int, args, seq_len: int, pea
     return step_tokens * args.flops_per_token(seq_len) / (ASSUMED_MFU * peak)
 
 
+def _check_breakdown(run: dict) -> None:
+    """What _compute_s reads of a train_bench run: its step time, tokens and the step's parts in ms."""
+    numbers = [run["step_s"], run["tokens"], run.get("gpus", 1), *run["parts"].values()]
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in numbers) \
+            or run["step_s"] <= 0 or run["tokens"] <= 0 or run.get("gpus", 1) <= 0:
+        raise ValueError("step_s, tokens and gpus must be numbers > 0, the parts' milliseconds >= 0")
+
+
 def _gib(n: float) -> str:
     return f"{n / GiB:,.1f} GiB"
 
@@ -279,6 +288,9 @@ def _main(argv: list[str]) -> int:
     a, overrides = ap.parse_known_args(argv)
     if a.ngpu < 1 or a.nnodes < 1:
         raise UsageError("--ngpu and --nnodes must be >= 1")
+    for flag, value in (("--nvlink_gbs", a.nvlink_gbs), ("--ib_gbs", a.ib_gbs)):
+        if not math.isfinite(value) or value <= 0:
+            raise UsageError(f"{flag} must be a bandwidth > 0 in GB/s, got {value}")
     import os
 
     os.environ["WORLD_SIZE"] = str(a.ngpu * a.nnodes)  # validation checks the batch against this world
@@ -288,8 +300,10 @@ def _main(argv: list[str]) -> int:
         try:
             runs = json.loads(Path(a.breakdown).read_text())
             breakdown = runs[a.breakdown_run] if a.breakdown_run else next(iter(runs.values()))
-        except (OSError, ValueError, KeyError, StopIteration) as e:
-            raise UsageError(f"--breakdown {a.breakdown}: not a train_bench --json file with that run ({e})") from None
+            _check_breakdown(breakdown)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration) as e:
+            raise UsageError(f"--breakdown {a.breakdown}: not a train_bench --json file with that run "
+                             f"({type(e).__name__}: {e})") from None
     vocab = TOKENIZERS.get(cfg.data.tokenizer)(cfg.data).vocab_size
     sys.stdout.write(render(make_plan(cfg, a.ngpu, a.nnodes, a.gpu, vocab, a.nvlink_gbs, a.ib_gbs, breakdown)))
     return 0
