@@ -328,6 +328,23 @@ def test_hf_stream_bad_input_is_one_clear_error(tmp_path):
     assert all(0 < float(loss) < 10 for _, loss, _ in logged) and {e for _, _, e in logged} == {"0"}
 
 
+@pytest.mark.parametrize("fraction, held_out", [(0.25, [3, 7]), (0.4, [2, 4, 7, 9]), (0.9, [1, 2, 3, 4, 5, 6, 7, 8, 9])])
+def test_prepare_holds_out_the_asked_fraction_of_documents_spread_evenly(fraction, held_out, tmp_path, capsys):
+    """One document in round(1 / fraction) was held out: 0.4 gave 1 in 2, and 0.9 left no training data."""
+    from titan_te.data.prepare import main as prepare_main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = [f"document {i:02d}" for i in range(10)]
+    (corpus / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "shards"
+    assert prepare_main([f"--input={corpus}", f"--output={out}", "--workers=1", f"--val_fraction={fraction}"]) == 0
+    val = np.fromfile(out / "val-00000.bin", dtype=np.uint16)
+    text = bytes(int(t) for t in val if t < 256).decode()
+    assert [int(d[-2:]) for d in re.findall(r"document \d\d", text)] == held_out
+    assert f"train: {10 - len(held_out)} documents" in capsys.readouterr().out
+
+
 def test_prepare_refuses_a_used_folder_and_overwrite_replaces_exactly_its_shards(tmp_path, capsys):
     from titan_te.data import DATASETS, TOKENIZERS
     from titan_te.data.prepare import main as prepare_main

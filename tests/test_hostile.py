@@ -355,6 +355,8 @@ def test_prepare_mistakes(capsys, tmp_path):
     _prepare([f"--input={deep}", f"--output={tmp_path / 'o1'}", "--workers=1"], capsys, "nested too deeply")
     _prepare([f"--input={tmp_path / 'none'}", f"--output={tmp_path / 'o2'}", "--workers=1"], capsys, "no such file")
     _prepare([f"--input={src}", f"--output={tmp_path / 'o3'}", "--val_fraction=nan"], capsys, "--val_fraction")
+    _prepare([f"--input={src}", f"--output={tmp_path / 'o3'}", "--workers=6400"], capsys,  # would start 6400
+             "--workers must be within [1, 256]")
     _prepare([f"--input={src}", "--output=/proc/titan_te_out", "--workers=1"], capsys, "cannot be created")
     # an unset variable in a script (--output=$OUT): not the current directory
     _prepare([f"--input={src}", "--output=", "--workers=1", "--overwrite"], capsys, "--output is empty")

@@ -5,7 +5,8 @@
 
 --input is a .txt/.jsonl/.json/.parquet file, a folder or a glob (like data.path), or `hf:NAME` for a
 Hugging Face dataset streamed through the `datasets` package (--hf_subset, --hf_split). Every
-document gets BOS and EOS; one document in round(1 / val_fraction) goes to the `val` shards. Then
+document gets BOS and EOS; a val_fraction of the documents, spread evenly (0.25: every fourth), goes
+to the `val` shards. Then
 train with `--data.dataset=tokens --data.path=shards/` (the validation section reads `val` shards).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -35,6 +37,8 @@ from titan_te.data.token_source import frame_document
 from titan_te.run_folder import LOCK, FolderLock, why
 from titan_te.paths import check_path
 from titan_te.tool_cli import OneLineParser, run_tool
+
+MAX_WORKERS = 256  # tokenizer processes: a typo such as --workers 6400 would start them all
 
 
 @dataclass
@@ -280,7 +284,7 @@ def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fra
                   inputs) -> dict:
     writers = {split: ShardWriter(staging, split, tok.vocab_size, targs.tokenizer, tok.bos_id, tok.eos_id,
                                   shard_tokens) for split in ("train", "val")}
-    every = round(1 / val_fraction) if val_fraction > 0 else 0
+    held_out = Fraction(val_fraction).limit_denominator(10**6)  # 0.005 is exactly 1/200: every 200th document
     progress = Progress(total_bytes)
     n_docs = n_tokens = done_bytes = 0
     pool = Tokenizers(workers, targs) if workers > 1 else None
@@ -298,7 +302,8 @@ def _write_shards(docs, total_bytes, staging: Path, tok, targs, workers, val_fra
         results = pool.map(batches) if pool else map(_tokenize, batches)
         for tokenized in results:
             for ids in tokenized:
-                split = "val" if every and n_docs % every == every - 1 else "train"
+                # document n is held out when the count of held-out documents, fraction x (n + 1), steps up
+                split = "val" if (n_docs + 1) * held_out // 1 > n_docs * held_out // 1 else "train"
                 writers[split].add(ids)
                 n_docs += 1
                 n_tokens += len(ids)
@@ -347,8 +352,9 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("--hf_subset", default=None)
     ap.add_argument("--hf_split", default="train")
     a = ap.parse_args(argv)
-    if a.workers < 1 or not 0 <= a.val_fraction < 1 or a.shard_tokens < 1:
-        raise DataError("--workers and --shard_tokens must be >= 1 and --val_fraction within [0, 1)")
+    if not 1 <= a.workers <= MAX_WORKERS or not 0 <= a.val_fraction < 1 or a.shard_tokens < 1:
+        raise DataError(f"--workers must be within [1, {MAX_WORKERS}], --shard_tokens >= 1 and --val_fraction "
+                        f"within [0, 1)")
     for key in ("input", "output", "tokenizer_path"):
         check_path(f"--{key}", getattr(a, key), "", required=key != "tokenizer_path")
     SIGNALS.doing(f"preparing {a.output} (nothing was published there)")
