@@ -44,6 +44,11 @@ def test_override_types_bools_and_lists(tmp_path):
     (["--training.lr=1e-3"], "unknown key training.lr (did you mean '--optimizer.lr'? [training] has no 'lr')"),
     (["--training.steps"], "--training.steps needs a value, e.g. --training.steps=200"),
     (["--training.steps", "--training.seq_len=8"], "--training.steps needs a value"),
+    # a component's option given alone said "expects float, got <object object at 0x...>"
+    (["--optimizer.name=sgd", "--optimizer.sgd.momentum"],
+     "--optimizer.sgd.momentum needs a value, e.g. --optimizer.sgd.momentum=0.0"),
+    (["--optimizer.name=sgd", "--optimizer.sgd.nesterov", "--optimizer.sgd.momentum=0.9", "--optimizer.sgd.dampening"],
+     "--optimizer.sgd.dampening needs a value"),  # the bool before it, alone, is true
     (["--data.shuffle=yes"], "data.shuffle expects true or false, got 'yes'"),
     (["--data.shuffle=1"], "data.shuffle expects true or false, got '1'"),
     (["--training.steps=-1"], "training.steps must be within [1, 1,000,000,000], got -1"),

@@ -24,9 +24,16 @@ PRESETS = ["debug", "llama_fp8", "llama3_1b_fp8", "llama_bf16"]
 
 
 def _keys():
-    from titan_te.config.schema import _fields, sections
+    """Every option: the sections' and the registered components' own ([optimizer.sgd] ...)."""
+    from titan_te.config.schema import _fields, _registry, _registry_fields, sections
 
-    return [(s, k) for s, cls in sections().items() for k in _fields(cls)]
+    keys = [(s, k) for s, cls in sections().items() for k in _fields(cls)]
+    for section, cls in sections().items():
+        for registry in _registry_fields(cls):
+            reg = _registry(registry)
+            keys += [(section, f"{name}.{k}") for name in reg.names() if getattr(reg.get(name), "options", None)
+                     for k in _fields(reg.get(name).options)]
+    return keys
 
 
 def _loads_or_config_error(load) -> None:
@@ -99,7 +106,8 @@ def test_any_command_line_values_for_several_options_load_or_are_a_config_error(
     rng, keys = random.Random(seed), _keys()
     for case in range(300):
         argv = [f"--config={rng.choice(PRESETS)}"] if rng.random() < 0.7 else []
-        argv += [f"--{s}.{k}={rng.choice(TEXTS)}" for s, k in (rng.choice(keys) for _ in range(rng.randint(1, 4)))]
+        argv += [f"--{s}.{k}" + ("" if rng.random() < 0.1 else f"={rng.choice(TEXTS)}")  # some bare flags
+                 for s, k in (rng.choice(keys) for _ in range(rng.randint(1, 4)))]
         try:
             _loads_or_config_error(lambda: config_mod.load(argv, hardware=False))
         except Exception as e:

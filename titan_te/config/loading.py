@@ -8,13 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titan_te.config.render import _toml_value
-from titan_te.config.schema import Config, _closest, _coerce, _fields, _registry_fields, _type_of, sections
+from titan_te.config.schema import (MISSING_VALUE, Config, _closest, _coerce, _fields, _registry_fields, _type_of,
+                                    bare_flag, sections)
 from titan_te.config.validation import validate
 from titan_te.errors import ConfigError
-
-
-MISSING_VALUE = object()  # a command-line option given without a value
 
 
 def _unknown_key_hint(section: str, key: str, secs: dict, cli: bool) -> str:
@@ -58,10 +55,7 @@ def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
         raise ConfigError(f"unknown key {section}.{key}{_unknown_key_hint(section, key, secs, cli)} ({where})")
     tp = _type_of(secs[section], key)
     if value is MISSING_VALUE:
-        if tp is not bool:
-            raise ConfigError(f"--{section}.{key} needs a value, e.g. --{section}.{key}="
-                              f"{_toml_value(getattr(getattr(cfg, section), key))} ({where})")
-        value = True
+        value = bare_flag(tp, f"{section}.{key}", getattr(getattr(cfg, section), key), where)
     setattr(getattr(cfg, section), key, _coerce(value, tp, f"{section}.{key}", where))
     cfg.origins[f"{section}.{key}"] = where
 

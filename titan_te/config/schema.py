@@ -329,6 +329,17 @@ def _registry(spec: str):
     return getattr(importlib.import_module(module), attr)
 
 
+MISSING_VALUE = object()  # a command-line option given without a value
+
+
+def bare_flag(tp: type, key: str, current: Any, where: str) -> bool:
+    """`--key` alone: true for a bool option; any other option needs its value."""
+    if tp is bool:
+        return True
+    example = ",".join(map(str, current)) or "VALUE" if isinstance(current, list) else current
+    raise ConfigError(f"--{key} needs a value, e.g. --{key}={example} ({where})")
+
+
 def _coerce(value: Any, tp: type, key: str, where: str) -> Any:
     """Turn a TOML value or a CLI string into the field's type, or raise ConfigError."""
     bad = ConfigError(f"{key} expects {_type_name(tp)}, got {value!r} ({where})")

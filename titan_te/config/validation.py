@@ -9,8 +9,8 @@ import os
 import traceback
 from typing import Any
 
-from titan_te.config.schema import (Config, Parallelism, _closest, _coerce, _fields, _registry, _registry_fields,
-                                    _type_of, number, sections)
+from titan_te.config.schema import (MISSING_VALUE, Config, Parallelism, _closest, _coerce, _fields, _registry,
+                                    _registry_fields, _type_of, bare_flag, number, sections)
 from titan_te.errors import ConfigError
 from titan_te.paths import RUN_FOLDER_ROOM, check_path
 
@@ -77,7 +77,10 @@ def component_options(cfg: Config, section: str, name: str, where: str = ""):
         if key not in flds:
             raise ConfigError(f"unknown key {section}.{name}.{key}{_closest(key, list(flds))}; {name}'s options: "
                               f"{', '.join(flds)} ({set_where})")
-        setattr(out, key, _coerce(value, _type_of(cls, key), f"{section}.{name}.{key}", set_where))
+        tp, dotted = _type_of(cls, key), f"{section}.{name}.{key}"
+        if value is MISSING_VALUE:
+            value = bare_flag(tp, dotted, getattr(out, key), set_where)
+        setattr(out, key, _coerce(value, tp, dotted, set_where))
     for key, f in flds.items():
         _check_field(f"{section}.{name}.{key}", f, getattr(out, key), where)
     problem = out.check() if hasattr(out, "check") else ""
