@@ -109,6 +109,22 @@ def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
     assert "tokenizer tiktoken (vocab 519)" in out and "step      2" in out
 
 
+@pytest.mark.parametrize("lines, fragment", [
+    ("", "holds no BPE ranks (an empty file?)"),  # was a ValueError traceback (max() of no ranks)
+    # two byte tokens only: a text with another byte made tiktoken's Rust core panic (PanicException) mid-run
+    ("YQ== 0\nYg== 1\n", "lacks 254 of the 256 single-byte tokens (e.g. 0x00)"),
+    # ids past the vocabulary: the embedding would be indexed out of range
+    ("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i * 2}\n" for i in range(256)),
+     "its 256 ranks are not the ids 0 to 255, each once"),
+], ids=["empty", "not-byte-level", "sparse-ids"])
+def test_a_tiktoken_file_tiktoken_would_misread_is_one_line(lines, fragment, tmp_path):
+    pytest.importorskip("tiktoken")
+    path = tmp_path / "tokenizer.model"
+    path.write_text(lines)
+    _assert_config_error(_train(tmp_path, "--data.tokenizer=tiktoken", f"--data.tokenizer_path={path}"),
+                         f"data.tokenizer_path: {path}", fragment)
+
+
 def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, tmp_path):
     from titan_te.data import DATASETS, TOKENIZERS
 

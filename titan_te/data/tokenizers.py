@@ -129,6 +129,21 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 LLAMA3_NUM_SPECIAL = 256
 
 
+def _check_bpe_ranks(ranks: dict, path: Path) -> None:
+    """What tiktoken takes for granted of a byte-level BPE: ids 0 to n-1, each once (the special tokens
+    follow them), and every single byte a token (a text with a byte that is not one panics inside
+    tiktoken's Rust core, mid-run)."""
+    where = f"data.tokenizer_path: {path}"
+    if not ranks:
+        raise DataError(f"{where} holds no BPE ranks (an empty file?)")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise DataError(f"{where}: its {len(ranks):,} ranks are not the ids 0 to {len(ranks) - 1:,}, each once")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise DataError(f"{where} lacks {len(missing)} of the 256 single-byte tokens (e.g. 0x{missing[0]:02x}) that "
+                        f"a byte-level BPE needs; is it a tiktoken BPE file?")
+
+
 class TiktokenTokenizer:
     def __init__(self, path: Path):
         try:
@@ -140,6 +155,7 @@ class TiktokenTokenizer:
             ranks = load_tiktoken_bpe(str(path))
         except Exception as e:
             raise DataError(f"data.tokenizer_path: {path} is not a tiktoken BPE file ({type(e).__name__})") from None
+        _check_bpe_ranks(ranks, path)
         n = len(ranks)
         names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>"
                                                             for i in range(LLAMA3_NUM_SPECIAL - 2)]
