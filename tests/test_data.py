@@ -125,6 +125,24 @@ def test_a_tiktoken_file_tiktoken_would_misread_is_one_line(lines, fragment, tmp
                          f"data.tokenizer_path: {path}", fragment)
 
 
+@pytest.mark.parametrize("model, fragment", [
+    # raised "WordLevel error: Missing [UNK] token" from the first document on: a traceback mid-start-up
+    ("wordlevel", "cannot encode the text (WordLevel error: Missing [UNK] token from the vocabulary)"),
+    # dropped every character but 'a' without a word: the run trained (exit 0) on almost nothing of the text
+    ("bpe", "drops 93 plain ASCII characters it has no token for"),
+])
+def test_a_tokenizer_without_an_unknown_token_is_one_line(model, fragment, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "a": 2}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None) if model == "wordlevel" else
+                    models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    _assert_config_error(_train(tmp_path, "--data.tokenizer=hf", f"--data.tokenizer_path={tmp_path}"),
+                         f"data.tokenizer_path: {tmp_path / 'tokenizer.json'}", fragment)
+
+
 def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, tmp_path):
     from titan_te.data import DATASETS, TOKENIZERS
 

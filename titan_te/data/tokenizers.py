@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import string
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,9 @@ def _tokenizer_file(dcfg, what: str) -> Path:
     return path
 
 
+PROBE_TEXT = f"{string.ascii_letters} {string.digits} {string.punctuation}"  # what any text tokenizer must keep
+
+
 class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
@@ -85,6 +89,27 @@ class HFTokenizer:
         self.eos_id = self._special(self._configured("eos_token"), EOS_CANDIDATES, "EOS")
         self.identity = {"kind": "hf", "vocab_size": self.vocab_size,
                          "hash": vocabulary_hash(self.tok.get_vocab(with_added_tokens=True).items())}
+        self._check_plain_text()
+
+    def _check_plain_text(self) -> None:
+        """Plain ASCII text must come out as tokens: a model without an unknown token (and without byte
+        fallback) raises on a character it has no token for (WordLevel) or drops it without a word (BPE),
+        and the run would train on what is left."""
+        encoding = self._encode_one(PROBE_TEXT)
+        covered = {i for start, end in encoding.offsets for i in range(start, end)}
+        dropped = sorted({c for i, c in enumerate(PROBE_TEXT) if i not in covered and not c.isspace()})
+        if dropped:
+            raise DataError(f"data.tokenizer_path: {self.path} drops {len(dropped)} plain ASCII characters it has no "
+                            f"token for (e.g. {''.join(dropped[:10])!r}): training would skip that text; use a "
+                            f"tokenizer with an unknown token or byte fallback")
+
+    def _encode_one(self, text: str):
+        try:
+            return self.tok.encode(text, add_special_tokens=False)
+        except Exception as e:  # the tokenizers package raises a bare Exception for text its model cannot encode
+            raise DataError(f"data.tokenizer_path: {self.path} cannot encode the text "
+                            f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); use a tokenizer with "
+                            f"an unknown token or byte fallback") from None
 
     def _configured(self, key: str) -> str | None:
         cfg = self.path.parent / "tokenizer_config.json"
@@ -114,10 +139,14 @@ class HFTokenizer:
                         f"tokenizer or a tokenizer_config.json beside it")
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        return np.asarray(self._encode_one(text).ids, dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(e.ids, dtype=np.int32) for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            encodings = self.tok.encode_batch(texts, add_special_tokens=False)
+        except Exception:  # which text: encode them one by one for the message
+            encodings = [self._encode_one(t) for t in texts]
+        return [np.asarray(e.ids, dtype=np.int32) for e in encodings]
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
