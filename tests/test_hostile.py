@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import entries
 
@@ -550,6 +551,25 @@ def test_bad_initial_load_path(layout, fragment, capsys, tmp_path):
     elif layout == "index-garbage":
         (hf / "model.safetensors.index.json").write_text("{oops")
     train([f"--checkpoint.initial_load_path={hf}"], capsys, CONFIG, fragment, tmp_path)
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("nan", "holds NaN or infinite values; training from it would be NaN from the first step"),  # trained NaN
+    ("int32", "is int32 in"),  # read as float: a quantized or damaged folder trained from garbage
+    ("float8_e4m3fn", "is float8_e4m3fn in"),
+])
+def test_initial_weights_not_finite_or_not_of_a_float_dtype_are_one_line(damage, fragment, run, capsys, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from titan_te.export import main as export_main
+
+    hf = tmp_path / "hf"
+    assert export_main(["--checkpoint", str(run / "debug/checkpoint/step-4"), "--out", str(hf)]) == 0
+    weights = load_file(str(hf / "model.safetensors"))
+    name = sorted(weights)[3]
+    bad = weights[name] * float("nan") if damage == "nan" else weights[name].to(getattr(torch, damage))
+    save_file({**weights, name: bad}, str(hf / "model.safetensors"))
+    train([f"--checkpoint.initial_load_path={hf}"], capsys, CONFIG, fragment, tmp_path / "new")
 
 
 # --- export -------------------------------------------------------------------------------------------

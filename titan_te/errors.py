@@ -65,6 +65,14 @@ class ExportError(UserError):
     prefix = "export error"
 
 
+class Diverged(UserError):
+    """A step whose loss or gradient norm is not finite (NaN / inf): every weight the optimizer then touched
+    is lost, so training stops before saving them; the checkpoints before that step stay as they are."""
+
+    exit_code = 5
+    prefix = "diverged"
+
+
 class Preempted(UserError):
     """Stopped by SIGTERM / SIGINT after saving; rerunning the same command resumes."""
 
@@ -91,7 +99,7 @@ class Interrupted(BaseException):
                 f"changed (rerun the same command to start again)")
 
 
-EXIT_CODES = {cls.exit_code: cls for cls in (ConfigError, CheckpointError, OutOfMemory, Preempted)}
+EXIT_CODES = {cls.exit_code: cls for cls in (ConfigError, CheckpointError, OutOfMemory, Diverged, Preempted)}
 
 
 def say(line: str) -> None:

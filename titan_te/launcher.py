@@ -201,7 +201,7 @@ class Worker:
 
 def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker | None:
     """The worker whose exit code the launcher returns: the first to exit with a documented code (2, 3,
-    4, 75, or 128 + N after the launcher forwarded signal N), else the first to fail; None when all
+    4, 5, 75, or 128 + N after the launcher forwarded signal N), else the first to fail; None when all
     succeeded. Workers the launcher stopped do not count."""
     failed = sorted((w for w in workers if w.code and not w.killed), key=lambda w: w.ended_at)
     documented = [w for w in failed if w.code in EXIT_CODES or w.code in expected]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import resource
 import time
@@ -133,6 +134,7 @@ class MetricsLogger:
         self.sinks = sinks_for(mcfg, run_folder, rank, start_step)
         self.losses: list[float] = []  # the global average loss of every step read, for callers and tests
         self.stop_votes = 0.0
+        self.nonfinite: StepStats | None = None  # the first step read whose loss or grad norm is NaN / inf
         self._pending: PendingStep | None = None
         self._last_end: DeviceValues | None = None
         self._window_steps, self._window_tokens, self._window_time, self._window_data = 0, 0, 0.0, 0.0
@@ -157,7 +159,10 @@ class MetricsLogger:
         step_time, self._last_end = p.values.seconds_since(self._last_end), p.values
         self.losses.append(loss)
         self.stop_votes = max(self.stop_votes, votes)
-        self.record(StepStats(p.step, loss, max_loss, gnorm, p.lr, p.tokens, step_time, p.data_time, p.epoch))
+        stats = StepStats(p.step, loss, max_loss, gnorm, p.lr, p.tokens, step_time, p.data_time, p.epoch)
+        if self.nonfinite is None and not (math.isfinite(loss) and math.isfinite(gnorm)):
+            self.nonfinite = stats
+        self.record(stats)
 
     def record(self, s: StepStats) -> dict | None:
         """Accumulate one step; every log_freq steps (and the last) print and write. Returns the values."""
@@ -168,7 +173,7 @@ class MetricsLogger:
         self.total_tokens += s.tokens
         self.total_time += s.step_time
         self.steps_done += 1
-        if s.step % self.cfg.log_freq and s.step not in (1, self.total_steps):
+        if s.step % self.cfg.log_freq and s.step not in (1, self.total_steps) and s is not self.nonfinite:
             return None
         tps = self._window_tokens / max(self._window_time, 1e-9)
         tflops = tps * self.flops_per_token / 1e12

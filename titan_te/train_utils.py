@@ -1,4 +1,4 @@
-"""Small helpers of the training step: determinism and DTensor-aware gradient clipping."""
+"""Small helpers of the training step: determinism, DTensor-aware gradient clipping, finite weights."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,11 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from titan_te.init_weights import local_tensor
+from titan_te.te.tensors import is_quantized
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -44,3 +48,17 @@ def clip_grad_norm(parameters, max_norm: float, optimizer=None) -> torch.Tensor:
         else:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total
+
+
+def weights_finite(model) -> bool:
+    """Whether every rank's shard of every high-precision weight is finite (one all-reduce: every rank gets
+    the same answer). FP8 weights are left out (their FP32 masters are the optimizer's); a step that made
+    them NaN shows in the next step's loss."""
+    local = [t for t in (local_tensor(p) for p in model.parameters()) if not is_quantized(t)]
+    device = local[0].device if local else torch.device("cpu")
+    bad = torch.zeros((), device=device)
+    for t in local:
+        bad += (~torch.isfinite(t)).any()
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bool(bad == 0)

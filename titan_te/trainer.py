@@ -41,7 +41,7 @@ from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dims import ParallelDims
 from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0, shared_gpu
 from titan_te.parallel.wrappers import apply_activation_checkpoint, apply_compile
-from titan_te.errors import ConfigError, Interrupted, OutOfMemory, UserError
+from titan_te.errors import ConfigError, Diverged, Interrupted, OutOfMemory, UserError
 from titan_te.preemption import SIGNALS, preempted
 from titan_te.te.policy import FP8Policy
 from titan_te.te.stats import fp8_stats
@@ -49,7 +49,7 @@ from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, lo
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
 from titan_te.memory_estimate import check_fits, local_world
-from titan_te.train_utils import clip_grad_norm, set_determinism
+from titan_te.train_utils import clip_grad_norm, set_determinism, weights_finite
 
 logger = logging.getLogger("titan_te")
 
@@ -255,7 +255,7 @@ class Trainer:
         # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
         # the optimizer from changing them before the copy is complete; a step's line is logged before its save
         self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder,
-                                              optimizer=self.optimizer, before_save=lambda: self.metrics.flush(),
+                                              optimizer=self.optimizer, before_save=self._read_step_values,
                                               on_saved=self._log_save)
         resumed = self.checkpointer.resume()
         if not resumed and ck.initial_load_path:
@@ -438,6 +438,7 @@ class Trainer:
                     self.data_position.advance(self.global_batch, self.dataloader.dataset.n_windows)
                 self.metrics.step_done(PendingStep(DeviceValues(values, self.device), step, lr, epoch, t_data,
                                                    self.tokens_per_step // self.env.dp_world))
+                self._stop_if_diverged()
                 stop = self.metrics.stop_votes > 0
                 self.checkpointer.step_end(step, stop=stop)
                 self._periodic_metrics(step)
@@ -445,7 +446,7 @@ class Trainer:
                 if stop:
                     self.metrics.flush()
                     raise preempted(step, self.checkpointer.enabled)
-        self.metrics.flush()
+        self._read_step_values()
         self.checkpointer.flush()
         if self.state.step >= t.steps:
             ck = self.checkpointer
@@ -454,6 +455,32 @@ class Trainer:
                                              f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
                                              "no checkpoints"))
         return self.losses
+
+    def _read_step_values(self) -> None:
+        """Before a save and at the end: read (and log) the step still pending; its weights are saved only if
+        its loss, its grad norm and the weights it left are finite."""
+        self.metrics.flush()
+        self._stop_if_diverged()
+        if not weights_finite(self.model):
+            self._diverged(self.state.step, f"step {self.state.step} left weights that are not finite (its update "
+                                            f"overflowed)")
+
+    def _stop_if_diverged(self) -> None:
+        """A step whose loss or grad norm is NaN / inf has made the weights non-finite: stop before any save
+        of them (every rank reads the same values at the same point, so all stop together)."""
+        bad = self.metrics.nonfinite
+        if bad is not None:
+            self._diverged(bad.step, f"step {bad.step} has loss {bad.loss} and grad norm {bad.grad_norm}")
+
+    def _diverged(self, step: int, what: str) -> None:
+        ck = self.checkpointer
+        ck.flush()  # a save still in flight is of an earlier step, whose values were finite: it lands
+        saved = complete_steps(ck.folder) if ck.enabled else []
+        kept = (f"the newest checkpoint, step-{saved[-1]}, is from before it and rerunning the command resumes "
+                f"there" if saved else "no checkpoint of this run was saved before it")
+        raise Diverged(f"{what}: the weights are not finite any more, so nothing from step {step} on is saved; "
+                       f"{kept}. Lower --optimizer.lr, lengthen --lr_scheduler.warmup_steps, or look at the data "
+                       f"of step {step}")
 
     def _log_save(self, rec) -> None:
         self.metrics.write({"checkpoint/stall_s": rec.stall_s, "checkpoint/save_s": rec.total_s}, rec.step)

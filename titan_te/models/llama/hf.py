@@ -105,6 +105,9 @@ def hf_config(args, dtype: str) -> dict:
     return cfg
 
 
+HF_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 @torch.no_grad()
 def load_hf_weights(model, folder: str, write=None) -> None:
     """Load a HF Llama folder into a (possibly sharded) model, each rank copying its own shard."""
@@ -129,9 +132,16 @@ def load_hf_weights(model, folder: str, write=None) -> None:
         if tuple(full.shape) != tuple(p.shape):
             raise ConfigError(f"checkpoint.initial_load_path: {name} has shape {tuple(full.shape)} in {folder}, "
                               f"the model expects {tuple(p.shape)}")
+        if full.dtype not in HF_WEIGHT_DTYPES:
+            raise ConfigError(f"checkpoint.initial_load_path: {name} is {str(full.dtype).replace('torch.', '')} in "
+                              f"{folder}; weights to start from are float32, bfloat16 or float16 (a quantized "
+                              f"folder needs its own loader)")
         target = local_tensor(p)
-        value = local_shard(full.to(device=target.device, dtype=torch.float32), p)
-        (write or (lambda t, v: t.copy_(v)))(target, value)
+        whole = full.to(device=target.device, dtype=torch.float32)
+        if not bool(torch.isfinite(whole).all()):  # the whole tensor: every rank comes to the same answer
+            raise ConfigError(f"checkpoint.initial_load_path: {name} in {folder} holds NaN or infinite values; "
+                              f"training from it would be NaN from the first step")
+        (write or (lambda t, v: t.copy_(v)))(target, local_shard(whole, p))
 
 
 class LlamaHF:
