@@ -115,6 +115,11 @@ def load_hf_weights(model, folder: str, write=None) -> None:
 
     try:
         hf = read_hf_folder(Path(folder))
+        odd = sorted((k, t.dtype) for k, t in hf.items() if t.dtype not in HF_WEIGHT_DTYPES)
+        if odd:
+            raise ConfigError(f"checkpoint.initial_load_path: {odd[0][0]} is {str(odd[0][1]).replace('torch.', '')} "
+                              f"in {folder} ({len(odd)} such tensor(s)); weights to start from are float32, bfloat16 "
+                              f"or float16 (a quantized folder needs its own loader)")
         extra = unexpected_hf_names(hf, model.args)
         if extra:
             layers = {int(k.split(".")[2]) for k in hf if k.startswith("model.layers.")}
@@ -132,10 +137,6 @@ def load_hf_weights(model, folder: str, write=None) -> None:
         if tuple(full.shape) != tuple(p.shape):
             raise ConfigError(f"checkpoint.initial_load_path: {name} has shape {tuple(full.shape)} in {folder}, "
                               f"the model expects {tuple(p.shape)}")
-        if full.dtype not in HF_WEIGHT_DTYPES:
-            raise ConfigError(f"checkpoint.initial_load_path: {name} is {str(full.dtype).replace('torch.', '')} in "
-                              f"{folder}; weights to start from are float32, bfloat16 or float16 (a quantized "
-                              f"folder needs its own loader)")
         target = local_tensor(p)
         whole = full.to(device=target.device, dtype=torch.float32)
         if not bool(torch.isfinite(whole).all()):  # the whole tensor: every rank comes to the same answer
