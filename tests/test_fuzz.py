@@ -36,20 +36,35 @@ def _keys():
     return keys
 
 
-def _loads_or_config_error(load) -> None:
+def _loads_or_config_error(load, case: str) -> None:
+    """load() returns, or raises the package's ConfigError with one line; anything else fails, naming the case."""
     from titan_te.errors import ConfigError
 
     try:
         load()
     except ConfigError as e:
-        assert "\n" not in e.msg, e.msg
+        assert "\n" not in e.msg, (case, e.msg)
+    except Exception as e:
+        raise AssertionError(case) from e
+
+
+def _from_toml(data: dict, name: str):
+    from titan_te.config.loading import build
+    from titan_te.config.validation import validate
+
+    return lambda: validate(build(data, [], name), name, False)
+
+
+def _from_argv(argv: list[str]):
+    from titan_te import config as config_mod
+
+    return lambda: config_mod.load(argv, hardware=False)
 
 
 @pytest.mark.parametrize("preset", ["debug", "llama_fp8"])
 def test_every_toml_value_for_every_option_loads_or_is_a_config_error(preset, monkeypatch):
     """Each option set alone to each value (every pair, no sampling)."""
-    from titan_te.config.loading import build, load_toml
-    from titan_te.config.validation import validate
+    from titan_te.config.loading import load_toml
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     base = load_toml(preset)
@@ -57,16 +72,12 @@ def test_every_toml_value_for_every_option_loads_or_is_a_config_error(preset, mo
         for value in VALUES:
             data = {s: dict(body) for s, body in base.items()}
             data.setdefault(section, {})[key] = value
-            try:
-                _loads_or_config_error(lambda: validate(build(data, [], preset), preset, False))
-            except Exception as e:
-                raise AssertionError(f"{preset} with {section}.{key} = {value!r}") from e
+            _loads_or_config_error(_from_toml(data, preset), f"{preset} with {section}.{key} = {value!r}")
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_any_toml_values_for_several_options_load_or_are_a_config_error(seed, monkeypatch):
-    from titan_te.config.loading import build, load_toml
-    from titan_te.config.validation import validate
+    from titan_te.config.loading import load_toml
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     rng, keys = random.Random(seed), _keys()
@@ -79,39 +90,26 @@ def test_any_toml_values_for_several_options_load_or_are_a_config_error(seed, mo
             section, key = rng.choice(keys)
             data.setdefault(section, {})[key] = value = rng.choice(VALUES)
             changed.append(f"{section}.{key}={value!r}")
-        try:
-            _loads_or_config_error(lambda: validate(build(data, [], name), name, False))
-        except Exception as e:
-            raise AssertionError(f"seed {seed} case {case}: {name} with {changed}") from e
+        _loads_or_config_error(_from_toml(data, name), f"seed {seed} case {case}: {name} with {changed}")
 
 
 def test_every_command_line_value_for_every_option_loads_or_is_a_config_error(monkeypatch):
-    from titan_te import config as config_mod
-
     monkeypatch.setenv("WORLD_SIZE", "1")
     for section, key in _keys():
         for text in TEXTS:
             argv = ["--config=llama_fp8", f"--{section}.{key}={text}"]
-            try:
-                _loads_or_config_error(lambda: config_mod.load(argv, hardware=False))
-            except Exception as e:
-                raise AssertionError(f"{argv}") from e
+            _loads_or_config_error(_from_argv(argv), str(argv))
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_any_command_line_values_for_several_options_load_or_are_a_config_error(seed, monkeypatch):
-    from titan_te import config as config_mod
-
     monkeypatch.setenv("WORLD_SIZE", "1")
     rng, keys = random.Random(seed), _keys()
     for case in range(300):
         argv = [f"--config={rng.choice(PRESETS)}"] if rng.random() < 0.7 else []
         argv += [f"--{s}.{k}" + ("" if rng.random() < 0.1 else f"={rng.choice(TEXTS)}")  # some bare flags
                  for s, k in (rng.choice(keys) for _ in range(rng.randint(1, 4)))]
-        try:
-            _loads_or_config_error(lambda: config_mod.load(argv, hardware=False))
-        except Exception as e:
-            raise AssertionError(f"seed {seed} case {case}: {argv}") from e
+        _loads_or_config_error(_from_argv(argv), f"seed {seed} case {case}: {argv}")
 
 
 MANIFEST = {"dp_world": 1, "files": {"__0_0.distcp": [100, 12345], ".metadata": [10, 678]}, "format": 1,
