@@ -209,3 +209,28 @@ def test_a_diverged_run_stops_on_every_rank_with_exit_5_and_saves_nothing_after_
     r = _run([*args, "--optimizer.nan_sgd.at_step=0"], **env)  # the same command, its cause mended, resumes
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"resumed from {tmp_path / 'debug/checkpoint' / kept[-1]}" in r.stdout and "step     10  loss" in r.stdout
+
+
+def test_a_data_loader_worker_killed_by_the_kernel_is_one_line_and_the_next_run_resumes(tmp_path):
+    """A SIGKILL of a loader worker (the out-of-memory killer's way) reached the user as torch's RuntimeError
+    with a traceback from wherever the main thread was (inside the attention kernel, in the first try)."""
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--data.num_workers=2",
+            "--checkpoint.enable=true", "--checkpoint.interval=4", *SMALL]
+    proc = _start(args, NGPU=1)
+    _wait_for(proc, "step      6")
+    rank = _children(proc.pid)
+    cmdline = Path(f"/proc/{rank[0]}/cmdline").read_bytes()
+    loaders = [p for p in _children(rank[0]) if Path(f"/proc/{p}/cmdline").read_bytes() == cmdline]  # forked
+    assert len(rank) == 1 and len(loaders) == 2, [(p, Path(f"/proc/{p}/cmdline").read_bytes()[:200])
+                                                  for p in _children(rank[0])]
+    os.kill(loaders[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 4 and len(lines) == 1, err
+    assert lines[0].startswith(f"out of memory: data-loader worker (pid {loaders[0]}) was killed (SIGKILL: the "
+                               f"kernel's out-of-memory killer, as a rule); lower data.num_workers"), err
+    saved = _steps(tmp_path / "debug/checkpoint")
+    assert saved and not list((tmp_path / "debug/checkpoint").glob("*.tmp")), saved
+    newest = max(int(s.split("-")[1]) for s in saved)
+    again = _run([*args[:1], f"--training.steps={newest + 2}", *args[2:]], NGPU=1)
+    assert again.returncode == 0 and f"training from step {newest + 1}" in again.stdout, again.stderr[-2000:]

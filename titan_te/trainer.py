@@ -26,7 +26,7 @@ import torch.distributed as dist
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
 from titan_te.data import DATASETS, TOKENIZERS
-from titan_te.data.loader import DataPosition, build_dataloader
+from titan_te.data.loader import DataPosition, build_dataloader, worker_death
 from titan_te.data.tokenizers import padded_vocab
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
@@ -84,6 +84,19 @@ def out_of_memory(step: int, err: Exception, snapshot) -> OutOfMemory:
     return OutOfMemory(f"out of {kind} memory in step {step} ({str(err).splitlines()[0][:200]}). Try "
                        f"--activation_checkpoint.mode=full, a smaller training.local_batch_size (with "
                        f"training.global_batch_size for the same batch), or more GPUs{where}")
+
+
+@contextlib.contextmanager
+def _loader_workers_can_die():
+    """A loader worker that the kernel ends is one line (torch raises it wherever the main thread is, so the
+    step it interrupts is left unsaved)."""
+    try:
+        yield
+    except RuntimeError as e:
+        death = worker_death(e)
+        if death is None:
+            raise
+        raise death from None
 
 
 @dataclass
@@ -413,7 +426,7 @@ class Trainer:
         stop_at = min(until_step or t.steps, t.steps)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
-        with SIGNALS.training(), self.profiler.loop(self.state.step + 1):
+        with SIGNALS.training(), self.profiler.loop(self.state.step + 1), _loader_workers_can_die():
             self._data_iter = iter(self.dataloader)
             self.metrics.start_loop()
             while self.state.step < stop_at:

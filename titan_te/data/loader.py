@@ -10,6 +10,7 @@ any number of ranks and workers: the run goes on with exactly the batches it wou
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -18,7 +19,25 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_te.errors import DataError
+from titan_te.errors import DataError, OutOfMemory
+
+# torch's words when the kernel ends a loader worker: SIGKILL (the out-of-memory killer, as a rule) or SIGBUS
+# (its shared-memory segment could not grow: /dev/shm is full, 64 MB in a default container)
+_WORKER_DEATH = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: (Killed|Bus error)")
+
+
+def worker_death(err: BaseException) -> OutOfMemory | None:
+    """The user's one line for a loader worker the kernel ended (torch raises it in the main thread, wherever
+    that is); None for any other error, which keeps its traceback."""
+    m = _WORKER_DEATH.search(str(err))
+    if m is None:
+        return None
+    pid, how = m.groups()
+    why = ("SIGKILL: the kernel's out-of-memory killer, as a rule" if how == "Killed" else
+           "SIGBUS: out of shared memory in /dev/shm, where workers hand over their batches")
+    return OutOfMemory(f"data-loader worker (pid {pid}) was killed ({why}); lower data.num_workers, free host "
+                       f"memory or enlarge /dev/shm, then rerun the same command to resume from the newest "
+                       f"checkpoint (the step it stopped in was not saved)")
 
 
 @dataclass
