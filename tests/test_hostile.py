@@ -58,7 +58,8 @@ CLI = [
     ("--optimizer.beta1=-0.1", "optimizer.beta1 must be within [0, 1)"),
     ("--optimizer.beta2=1.5", "optimizer.beta2 must be within [0, 1)"),
     ("--optimizer.beta2=nan", "optimizer.beta2 must be a finite number"),
-    ("--optimizer.eps=-1", "optimizer.eps must be >= 0"),
+    ("--optimizer.eps=-1", "optimizer.eps must be > 0"),
+    ("--optimizer.eps=0", "optimizer.eps must be > 0, got 0"),  # NaN from step 2: padded vocabulary rows 0/0
     ("--optimizer.eps=nan", "optimizer.eps must be a finite number"),
     ("--training.seed=-1", "training.seed must be within [0, 4,294,967,295], got -1"),
     ("--training.seed=4294967296", "training.seed must be within [0, 4,294,967,295]"),

@@ -151,7 +151,8 @@ class Optimizer:
     weight_decay: float = opt(0.1, "decoupled weight decay (not applied to norms, biases, 1-D params)", bounds=NON_NEGATIVE)
     beta1: float = opt(0.9, "Adam beta1", bounds=UNIT_OPEN)
     beta2: float = opt(0.95, "Adam beta2", bounds=UNIT_OPEN)
-    eps: float = opt(1e-8, "Adam epsilon", bounds=NON_NEGATIVE)
+    eps: float = opt(1e-8, "Adam epsilon (> 0: a weight whose gradient is still 0, such as an embedding row of a "
+                           "token not seen yet, would update by 0/0)", bounds=POSITIVE)
     master_weights: bool = opt(True, "fused_adam / te_fused_adam: FP32 master copies of low-precision weights")
     moment_dtype: str = opt("float32", "fused_adam / te_fused_adam: dtype of exp_avg and exp_avg_sq",
                             choices=("float32", "bfloat16"))
