@@ -26,7 +26,7 @@ import torch.distributed as dist
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
 from titan_te.data import DATASETS, TOKENIZERS
-from titan_te.data.loader import DataPosition, build_dataloader, worker_death
+from titan_te.data.loader import DataPosition, build_dataloader, stop_workers, worker_death
 from titan_te.data.tokenizers import padded_vocab
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
@@ -87,13 +87,13 @@ def out_of_memory(step: int, err: Exception, snapshot) -> OutOfMemory:
 
 
 @contextlib.contextmanager
-def _loader_workers_can_die():
+def _loader_workers_can_die(loader):
     """A loader worker that the kernel ends is one line (torch raises it wherever the main thread is, so the
     step it interrupts is left unsaved)."""
     try:
         yield
     except RuntimeError as e:
-        death = worker_death(e)
+        death = worker_death(e, loader)
         if death is None:
             raise
         raise death from None
@@ -426,7 +426,8 @@ class Trainer:
         stop_at = min(until_step or t.steps, t.steps)
         logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
-        with SIGNALS.training(), self.profiler.loop(self.state.step + 1), _loader_workers_can_die():
+        with SIGNALS.training(), self.profiler.loop(self.state.step + 1), \
+                _loader_workers_can_die(self.dataloader):
             self._data_iter = iter(self.dataloader)
             self.metrics.start_loop()
             while self.state.step < stop_at:
@@ -515,6 +516,7 @@ class Trainer:
             self.metrics.close()
             self.profiler.close()
         finally:
+            stop_workers(self.dataloader)
             self._release()
 
     def _release(self) -> None:
