@@ -78,6 +78,8 @@ class _Model:
     units: list  # FSDP units, each a list of modules
     unit_bytes: list  # each unit's gathered bytes (FP8 weights as FP8, the rest bf16)
     unit_grads: list  # each unit's unsharded bf16 gradient bytes
+    names: dict  # id(parameter) -> name
+    blocks: dict  # id(block module) -> its layer index
 
     @property
     def n_fp8(self) -> int:
@@ -93,10 +95,8 @@ class _Model:
         (FP8Policy.keeps_gathered)."""
         from titan_te.parallel.wrappers import recomputed
 
-        blocks = {id(b): int(k) for k, b in self.model.layers.items()}
-        names = {id(p): n for n, p in self.params.items()}
-        return all(id(m) in blocks and recomputed(blocks[id(m)], mode, acfg.every_n)
-                   and any(names[id(p)] in self.fp8 for p in m.parameters()) for m in unit)
+        return all(id(m) in self.blocks and recomputed(self.blocks[id(m)], mode, acfg.every_n)
+                   and any(self.names[id(p)] in self.fp8 for p in m.parameters()) for m in unit)
 
 
 def _build_model(cfg, vocab: int) -> _Model:
@@ -115,7 +115,8 @@ def _build_model(cfg, vocab: int) -> _Model:
     units = [u if isinstance(u, list) else [u] for u in spec.fsdp_units(model)]
     unit_bytes = [sum(p.numel() * (1 if names[id(p)] in fp8 else 2) for m in u for p in m.parameters()) for u in units]
     unit_grads = [sum(p.numel() * 2 for m in u for p in m.parameters()) for u in units]
-    return _Model(spec, args, model, params, fp8, units, unit_bytes, unit_grads)
+    blocks = {id(b): int(k) for k, b in model.layers.items()}
+    return _Model(spec, args, model, params, fp8, units, unit_bytes, unit_grads, names, blocks)
 
 
 def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
