@@ -92,8 +92,13 @@ def test_launcher_environment_mistakes_are_one_line(tmp_path):
         taken = s.getsockname()[1]
         cases = [({"NGPU": "abc"}, "config error: NGPU='abc' is not a whole number"),
                  ({"NGPU": "0"}, "config error: NGPU=0 must be >= 1"),
+                 ({"NGPU": "100000"}, "config error: NGPU=100000 is more processes than this node can run"),
                  ({"LOG_RANK": "5"}, "config error: LOG_RANK=5: rank 5 does not exist; this run has 1 process"),
-                 ({"MASTER_PORT": str(taken)}, f"config error: MASTER_PORT={taken} is taken")]
+                 ({"MASTER_PORT": str(taken)}, f"config error: MASTER_PORT={taken} is taken"),
+                 ({"MASTER_ADDR": "no.such.host.invalid"},
+                  "config error: MASTER_ADDR=no.such.host.invalid does not resolve to an address"),
+                 ({"MASTER_ADDR": "192.0.2.1"},  # TEST-NET-1: never an address of this machine
+                  "config error: MASTER_ADDR=192.0.2.1 is not an address of this machine")]
         for env, start in cases:
             r = _run([f"--job.dump_folder={tmp_path}"], **env)
             assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(start), (env, r.stderr)

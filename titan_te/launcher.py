@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from titan_te.errors import EXIT_CODES, ConfigError, say
+from titan_te.head_address import check_head_address
 from titan_te.preemption import STOP_SIGNALS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,7 @@ READY_FD, LAUNCHER_PID = "TITAN_TE_READY_FD", "TITAN_TE_LAUNCHER_PID"  # how a w
 GRACE_S = 30.0  # after one worker fails, how long the others may take to stop on their own
 TERM_S = 60.0  # then, after SIGTERM, how long before they are killed
 PR_SET_PDEATHSIG = 1
+PROCS_PER_CPU = 4  # without a GPU per process, NGPU above this many per CPU core is refused as a slip
 
 
 def _int_env(name: str, default: int, minimum: int) -> int:
@@ -85,6 +87,11 @@ class Plan:
         if 0 < visible < self.nproc and env.get("TITAN_TE_SHARE_GPU", "").strip() != "1":
             raise ConfigError(f"NGPU={self.nproc}, but this node has {visible} visible GPU(s): one process per GPU "
                               f"(TITAN_TE_SHARE_GPU=1 runs several ranks on one GPU, a testing mode)")
+        cores = os.cpu_count() or 1
+        if self.nproc > max(visible, PROCS_PER_CPU * cores):
+            raise ConfigError(f"NGPU={self.nproc} is more processes than this node can run: it has {visible} "
+                              f"GPU(s) and {cores} CPU core(s), and ranks without a GPU of their own are "
+                              f"bounded at {PROCS_PER_CPU} per core ({PROCS_PER_CPU * cores})")
         self.nnodes = _int_env("NNODES", 1, 1)
         self.node_rank = _int_env("NODE_RANK", 0, 0)
         if self.node_rank >= self.nnodes:
@@ -99,7 +106,9 @@ class Plan:
         if bad:
             raise ConfigError(f"LOG_RANK={raw}: rank {bad[0]} does not exist; this run has {self.world} "
                               f"process(es), ranks 0..{self.world - 1}")
-        self.master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        self.master_addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+        if self.node_rank == 0:
+            check_head_address(self.master_addr)
         port = _int_env("MASTER_PORT", 0, 1)
         if port and port > 65535:
             raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")

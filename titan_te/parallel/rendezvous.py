@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from titan_te.errors import ConfigError
+from titan_te.head_address import check_head_address
 
 logger = logging.getLogger("titan_te")
 JOINED, GO = "titan_te/joined", "titan_te/go"
@@ -84,6 +85,7 @@ def _open_store(addr: str, port: int, rank: int, world: int, timeout_s: int, whe
                                      wait_for_workers=False)
         except (dist.DistNetworkError, dist.DistStoreError, RuntimeError) as e:
             if rank == 0:
+                check_head_address(addr)
                 raise ConfigError(f"rank 0 cannot listen at {where} ({_first_line(e)}): another job holds the "
                                   f"port; choose another MASTER_PORT (./run_train.sh picks a free one on one node)") \
                     from None
