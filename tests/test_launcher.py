@@ -97,10 +97,11 @@ def test_launcher_environment_mistakes_are_one_line(tmp_path):
                  ({"MASTER_PORT": str(taken)}, f"config error: MASTER_PORT={taken} is taken"),
                  ({"MASTER_ADDR": "no.such.host.invalid"},
                   "config error: MASTER_ADDR=no.such.host.invalid does not resolve to an address"),
-                 ({"MASTER_ADDR": "192.0.2.1"},  # TEST-NET-1: never an address of this machine
+                 # TEST-NET-1, never an address of this machine: found when rank 0 cannot reach its own store
+                 ({"MASTER_ADDR": "192.0.2.1", "NGPU": "2"},
                   "config error: MASTER_ADDR=192.0.2.1 is not an address of this machine")]
-        for env, start in cases:
-            r = _run([f"--job.dump_folder={tmp_path}"], **env)
+        for env, start in cases:  # a short rendezvous: rank 1 of the last case stops soon too
+            r = _run([f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=5"], **env)
             assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(start), (env, r.stderr)
 
 

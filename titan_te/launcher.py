@@ -108,7 +108,7 @@ class Plan:
                               f"process(es), ranks 0..{self.world - 1}")
         self.master_addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
         if self.node_rank == 0:
-            check_head_address(self.master_addr)
+            check_head_address(self.master_addr, local=False)
         port = _int_env("MASTER_PORT", 0, 1)
         if port and port > 65535:
             raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
