@@ -234,9 +234,9 @@ def test_a_2_rank_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batche
 
 
 # --- activation checkpointing of blocks with FP8 weights under FSDP --------------------------------------
-def _recomputed(rank, world, tmp, mode):
+def _recomputed(rank, world, tmp, mode, reshard=True):
     tr = _trainer(tmp, world, training={"steps": 6, "local_batch_size": 1},
-                  activation_checkpoint={"mode": mode})
+                  activation_checkpoint={"mode": mode}, parallelism={"reshard_after_forward": reshard})
     kept = sum(tr.fp8.keeps_gathered(b) for b in tr.model.layers.values())
     losses = tr.train()
     tr.close()
@@ -246,13 +246,18 @@ def _recomputed(rank, world, tmp, mode):
 def test_recomputed_fp8_blocks_keep_their_gathered_weights_and_the_losses(tmp_path):
     """A block that activation checkpointing recomputes needs its FP8 weights row-wise again in the backward,
     where FSDP gathers them column-wise only: the FP8 policy keeps such blocks gathered (the planner counts
-    their memory), and the recomputed run gives the losses of the plain one."""
+    their memory), and the recomputed run gives the losses of the plain one. So does ZeRO-2
+    (parallelism.reshard_after_forward = false), where every block stays gathered: a gathered FP8 weight kept
+    from forward to backward once carried the transpose of the step before into the backward (losses 8-19%
+    off from step 3 on)."""
     plain, none_kept = run_ranks(_recomputed, 2, str(tmp_path / "plain"), "none")[0]
     full, all_kept = run_ranks(_recomputed, 2, str(tmp_path / "full"), "full")[0]
-    gaps = [abs(a - b) / a for a, b in zip(plain, full)]
-    print("activation checkpointing of FP8 blocks on 2 ranks: relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
+    zero2, _ = run_ranks(_recomputed, 2, str(tmp_path / "zero2"), "none", False)[0]
+    for name, losses in (("activation checkpointing", full), ("ZeRO-2", zero2)):
+        gaps = [abs(a - b) / a for a, b in zip(plain, losses)]
+        print(f"{name} of FP8 blocks on 2 ranks: relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
+        assert max(gaps) < 1e-3, name
     assert (none_kept, all_kept) == (0, 2)
-    assert max(gaps) < 1e-3
 
 
 # --- the planner's memory estimate against the peak of shared ranks ----------------------------------------

@@ -37,6 +37,8 @@ def _fully_shard(model: nn.Module, mesh, pcfg, mp: MixedPrecisionPolicy, units: 
         reshard = pcfg.reshard_after_forward and i < len(units) - 1
         reshard = reshard and not (fp8 is not None and fp8.keeps_gathered(block))
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if fp8 is not None and not reshard:
+            fp8.gathered_until_backward(block)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=pcfg.reshard_after_forward)
     for module in model.modules():
         if isinstance(module, FSDPModule):

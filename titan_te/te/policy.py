@@ -78,6 +78,22 @@ class FP8Policy:
         (activation checkpointing) then finds no row-wise data. Such blocks keep their gathered weights."""
         return id(block) in self._fp8_weight_blocks and bool(getattr(block, "checkpointed", False))
 
+    def gathered_until_backward(self, unit) -> None:
+        """FSDP2 keeps `unit`'s gathered weights from its forward to its backward (no reshard after forward).
+        Each step's all-gather then writes new FP8 bytes into the same gathered weight, and TE (2.20) keeps
+        that weight's transpose from the step before, which the backward's data gradient would use: drop it
+        at the start of every forward, after FSDP2 gathered (hooks run in order of registration)."""
+        if not self.weights:
+            return
+
+        def fresh_transposes(module, args):
+            for p in module.parameters():
+                if tensors.is_quantized(p):
+                    tensors.written_in_place(p)
+
+        for module in unit if isinstance(unit, (list, tuple)) else [unit]:
+            module.register_forward_pre_hook(fresh_transposes)
+
     # --- init and optimizers ---------------------------------------------------------------------------
     def writer(self, write):
         """`write(target, value)` for init that also keeps each FP8 weight's unquantized value, on the CPU, for
