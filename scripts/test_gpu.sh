@@ -4,12 +4,16 @@
 #   bash scripts/test_gpu.sh single   # one rank: TE layers, FP8 recipes, the fused head, metrics, the acceptance test
 #   bash scripts/test_gpu.sh shared   # 2 to 4 ranks sharing the GPU (TITAN_TE_SHARE_GPU=1, gloo)
 #   bash scripts/test_gpu.sh all      # both waves, one after the other
+#   bash scripts/test_gpu.sh GROUP    # one group of a wave (layers, acceptance, shared_tracking, shared_state,
+#                                     # shared_memory, shared_launcher), e.g. to fit a time-limited session
 #
 # A wave's groups run at once, each logging to LOG_DIR (default gpu_logs/) as <group>.log; the script prints
 # each group's pytest summary line and exits non-zero if any group failed, timed out, skipped a test or ran
 # none (a GPU suite that skipped did not run). The two waves are kept apart because the acceptance test (1B
 # preset shapes, checkpoints of several GB) and the shared-rank tests together can fill a 64 GB disk or an
-# 80 GB GPU. GROUP_TIMEOUT (seconds, default 560) bounds each group.
+# 80 GB GPU. On a GPU of less than 120 GiB the shared wave's groups run one after another (run side by side on
+# an 80 GB H100 they ran out of memory). GROUP_TIMEOUT (seconds, default 560) bounds each group; AT_ONCE
+# (default: all, or 1 under 120 GiB) sets how many groups run side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 wave="${1:-all}"
@@ -18,9 +22,13 @@ mkdir -p "$logs"
 limit="${GROUP_TIMEOUT:-560}"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/tests"
 
-pids=() names=()
-group() {  # group NAME PYTEST_ARGS...: start one group in the background
+gpu_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+at_once="${AT_ONCE:-$([ "${gpu_gib:-0}" -ge $((120 * 1024)) ] && echo 99 || echo 1)}"
+
+pids=() names=() failed_early=0
+group() {  # group NAME PYTEST_ARGS...: start one group in the background (after earlier ones, past AT_ONCE)
   local name="$1"; shift
+  if [ "${#pids[@]}" -ge "$at_once" ]; then finish || failed_early=1; fi
   timeout "$limit" python3 -m pytest -m gpu -q -s -p no:cacheprovider "$@" > "$logs/$name.log" 2>&1 &
   pids+=($!) names+=("$name")
 }
@@ -37,23 +45,29 @@ finish() {  # wait for the started groups; print each one's summary; non-zero if
   pids=() names=()
   return $failed
 }
-single() {
-  group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py
-  group acceptance tests/test_acceptance_gpu.py
-  finish
+wave_end() {  # finish the wave's last groups; non-zero if any group of the wave failed
+  local ok=0
+  finish || ok=1
+  [ "$failed_early" -eq 0 ] || ok=1
+  failed_early=0
+  return $ok
 }
-shared() {
-  group shared_tracking tests/test_shared_gpu.py -k "init or track"
-  group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards or other_rank or recomputed or planner"
-  group shared_launcher tests/test_shared_gpu.py -k "kill or hsdp or one_line"
-  finish
-}
+layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py; }
+acceptance() { group acceptance tests/test_acceptance_gpu.py; }
+shared_tracking() { group shared_tracking tests/test_shared_gpu.py -k "init or track"; }
+shared_state() { group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards or other_rank"; }
+shared_memory() { group shared_memory tests/test_shared_gpu.py -k "recomputed or planner"; }
+shared_launcher() { group shared_launcher tests/test_shared_gpu.py -k "kill or hsdp or one_line"; }
+single() { layers; acceptance; wave_end; }
+shared() { shared_tracking; shared_state; shared_memory; shared_launcher; wave_end; }
 
 status=0
 case "$wave" in
   single) single || status=1 ;;
   shared) shared || status=1 ;;
   all) single || status=1; shared || status=1 ;;
-  *) echo "test_gpu.sh: unknown wave '$wave' (single, shared or all)" >&2; exit 2 ;;
+  layers|acceptance|shared_tracking|shared_state|shared_memory|shared_launcher) "$wave"; wave_end || status=1 ;;
+  *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, all, or one group: layers, acceptance," \
+          "shared_tracking, shared_state, shared_memory, shared_launcher)" >&2; exit 2 ;;
 esac
 exit $status

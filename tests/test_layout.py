@@ -96,3 +96,24 @@ def test_only_titan_te_te_imports_transformer_engine_or_reads_fp8_internals():
                     and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
                 offenders.append(f"{f.relative_to(ROOT)}:{node.lineno} reads .{node.attr}")
     assert offenders == []
+
+
+def test_the_gpu_script_runs_every_gpu_test_once():
+    """scripts/test_gpu.sh selects the GPU suite by file and -k expression per group: every test marked gpu
+    falls in exactly one group (a new test no expression matches would never run on a GPU)."""
+    import re
+    import subprocess
+    import sys
+
+    def collect(files, expr=None):
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
+        out = subprocess.run(cmd + (["-k", expr] if expr else []), cwd=ROOT, capture_output=True, text=True).stdout
+        return [line for line in out.splitlines() if "::" in line]
+
+    script = (ROOT / "scripts" / "test_gpu.sh").read_text()
+    groups = re.findall(r"^\w+\(\) \{ group (\w+) ((?:tests/\S+ ?)+)(?:-k \"([^\"]+)\")?; \}", script, re.M)
+    assert {g[0] for g in groups} == {"layers", "acceptance", "shared_tracking", "shared_state", "shared_memory",
+                                      "shared_launcher"}
+    selected = [t for _, files, expr in groups for t in collect(files.split(), expr or None)]
+    every = collect(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))
+    assert len(every) > 40 and sorted(selected) == sorted(every)
