@@ -211,24 +211,29 @@ def test_fp8_state_reshards_exactly_1_to_2_to_4_to_1(tmp_path):
         saved = loaded
 
 
-# --- elastic resume: a 2-rank FP8 checkpoint continues on 1 and on 4 ranks ----------------------------------
-def _elastic(rank, world, tmp, until):
+# --- elastic resume: an FP8 checkpoint continues on another rank count -----------------------------------
+def _elastic(rank, world, tmp, until, alone=False):
+    """alone: a world of one trains without FSDP (parallelism.unsharded_one_rank, as the FP8 presets on one GPU)."""
     tr = _trainer(tmp, world, training={"steps": 6, "global_batch_size": 4, "local_batch_size": 4 // world},
-                  checkpoint={"enable": True, "interval": 3})
+                  checkpoint={"enable": True, "interval": 3}, parallelism={"unsharded_one_rank": alone})
     start, losses = tr.state.step, tr.train(until_step=until)
     tr.close()
     return start, losses
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_a_2_rank_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batches(world, tmp_path):
-    """Saved at step 3 on 2 ranks, resumed on `world`: the data position is global, so steps 4-6 see the batches
-    of the uninterrupted 2-rank run, and the losses track it as N ranks track 1 (TRACK, above)."""
-    ref = run_ranks(_elastic, 2, str(tmp_path / "ref"), None)[0]
-    first = run_ranks(_elastic, 2, str(tmp_path / "run"), 3)[0]
-    second = run_ranks(_elastic, world, str(tmp_path / "run"), None)[0]
+@pytest.mark.parametrize("saved, resumed, alone", [(2, 1, False), (2, 4, False), (2, 1, True), (1, 2, True)],
+                         ids=["2-1", "2-4", "2-1_unsharded", "1_unsharded-2"])
+def test_an_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batches(saved, resumed, alone, tmp_path):
+    """Saved at step 3 on `saved` ranks, resumed on `resumed`: the data position is global, so steps 4-6 see the
+    batches of the uninterrupted run, and the losses track it as N ranks track 1 (TRACK, above). `alone`: the
+    one-rank side trains without FSDP, as the presets do on one GPU, so the user's path from one GPU to many
+    and back (plain FP8 tensors on one side, DTensor shards on the other) is covered."""
+    ref = run_ranks(_elastic, saved, str(tmp_path / "ref"), None, alone)[0]
+    first = run_ranks(_elastic, saved, str(tmp_path / "run"), 3, alone)[0]
+    second = run_ranks(_elastic, resumed, str(tmp_path / "run"), None, alone)[0]
     gaps = [abs(a - b) / a for a, b in zip(ref[1][3:], second[1])]
-    print(f"2 -> {world} ranks after step 3: relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
+    print(f"{saved} -> {resumed} ranks{' (one without FSDP)' if alone else ''} after step 3: relative loss gaps "
+          + " ".join(f"{g:.1e}" for g in gaps))
     assert (first[0], second[0]) == (0, 3) and first[1] == pytest.approx(ref[1][:3], rel=1e-5)
     assert len(second[1]) == 3 and max(gaps) < TRACK
 
