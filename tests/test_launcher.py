@@ -186,23 +186,29 @@ def test_workers_die_with_a_killed_launcher_and_a_live_run_folder_is_locked(tmp_
     assert log.count("training from step") == 3, log  # every run appended its lines, also the killed ones
 
 
-@pytest.mark.parametrize("at_step, stopped, fragment, kept, ranks", [
+OVERFLOWED = ("step 4 left weights or optimizer state that are not finite (its update overflowed): the weights are "
+              "not finite any more, so nothing from step 4 on is saved; the newest checkpoint, step-2")
+
+
+@pytest.mark.parametrize("at_step, into, stopped, fragment, kept, ranks", [
     # the update of step 5 wrote NaN: step 6's loss is NaN, seen before step 6 is saved
-    (5, 6, "step 6 has loss nan and grad norm nan: the weights are not finite any more, so nothing from step 6 on "
-           "is saved; the newest checkpoint, step-4, is from before it", ["step-2", "step-4"], 2),
+    (5, "weight", 6, "step 6 has loss nan and grad norm nan: the weights are not finite any more, so nothing from "
+                     "step 6 on is saved; the newest checkpoint, step-4, is from before it", ["step-2", "step-4"], 2),
     # the update of step 4 wrote NaN: its own loss was finite, the weights it left are not
-    (4, 4, "step 4 left weights that are not finite (its update overflowed): the weights are not finite any more, "
-           "so nothing from step 4 on is saved; the newest checkpoint, step-2", ["step-2"], 1),
-], ids=["nan-loss", "nan-weights"])
-def test_a_diverged_run_stops_on_every_rank_with_exit_5_and_saves_nothing_after_it(at_step, stopped, fragment, kept,
-                                                                                    ranks, tmp_path):
+    (4, "weight", 4, OVERFLOWED, ["step-2"], 1),
+    # the update of step 4 wrote NaN into the optimizer's state (a moment, or the FP32 master of an FP8 weight):
+    # the weights are finite, and a save would carry the NaN into every step after
+    (4, "state", 4, OVERFLOWED, ["step-2"], 1),
+], ids=["nan-loss", "nan-weights", "nan-state"])
+def test_a_diverged_run_stops_on_every_rank_with_exit_5_and_saves_nothing_after_it(at_step, into, stopped, fragment,
+                                                                                    kept, ranks, tmp_path):
     """A NaN loss used to be logged and trained on: every later save (and the final one) held NaN weights,
     and keep_latest_k pruned the good checkpoints for them."""
     args = [*SMALL, f"--job.dump_folder={tmp_path}", "--job.custom_import=nan_opt", "--optimizer.name=nan_sgd",
             "--training.steps=10", "--checkpoint.enable=true", "--checkpoint.interval=2",
             "--checkpoint.keep_latest_k=2", "--metrics.enable_jsonl=true"]
     env = dict(NGPU=ranks, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = _run([*args, f"--optimizer.nan_sgd.at_step={at_step}"], **env)
+    r = _run([*args, f"--optimizer.nan_sgd.at_step={at_step}", f"--optimizer.nan_sgd.into={into}"], **env)
     assert r.returncode == 5, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"diverged: {fragment}"), r.stderr

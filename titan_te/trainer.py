@@ -49,7 +49,7 @@ from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, lo
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
 from titan_te.memory_estimate import check_fits, local_world
-from titan_te.train_utils import clip_grad_norm, set_determinism, weights_finite
+from titan_te.train_utils import clip_grad_norm, set_determinism, training_state_finite
 
 logger = logging.getLogger("titan_te")
 
@@ -472,12 +472,12 @@ class Trainer:
 
     def _read_step_values(self) -> None:
         """Before a save and at the end: read (and log) the step still pending; its weights are saved only if
-        its loss, its grad norm and the weights it left are finite."""
+        its loss, its grad norm and the weights and optimizer state it left are finite."""
         self.metrics.flush()
         self._stop_if_diverged()
-        if not weights_finite(self.model):
-            self._diverged(self.state.step, f"step {self.state.step} left weights that are not finite (its update "
-                                            f"overflowed)")
+        if not training_state_finite(self.model, self.optimizer):
+            self._diverged(self.state.step, f"step {self.state.step} left weights or optimizer state that are not "
+                                            f"finite (its update overflowed)")
 
     def _stop_if_diverged(self) -> None:
         """A step whose loss or grad norm is NaN / inf has made the weights non-finite: stop before any save
