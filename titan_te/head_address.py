@@ -27,4 +27,5 @@ def check_head_address(addr: str, local: bool = True) -> None:
                 return
             except OSError:
                 continue
-    raise ConfigError(f"MASTER_ADDR={addr} is not an address of this machine, where NODE_RANK=0 runs rank 0, and does not reach it; {hint}")
+    raise ConfigError(f"MASTER_ADDR={addr} is not an address of this machine, where NODE_RANK=0 runs rank 0, and "
+                      f"does not reach it; {hint}")
