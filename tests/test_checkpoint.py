@@ -131,6 +131,27 @@ def test_elastic_resume_trains_on_the_batches_of_the_uninterrupted_run(saved_wor
     assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5)
 
 
+@pytest.mark.parametrize("loaded_world", [1, 4])
+def test_the_default_global_batch_is_the_runs_own_on_other_rank_counts(loaded_world, tmp_path, reference):
+    """training.global_batch_size = -1 (local x ranks, the presets' setting) is fixed when the run starts: a
+    run of 2 ranks x 2 resumed on 1 rank went on with 2 sequences a step instead of 4, and said nothing. Now
+    it keeps 4 by gradient accumulation (the losses of the uninterrupted run), and where the new rank count
+    cannot make it up (4 ranks x 2 = 8) one line says how to keep it or change it."""
+    default = {"training": {"global_batch_size": -1}}
+    first = run_ranks(_run, 2, str(tmp_path), "disabled", HALF, default)
+    if loaded_world == 4:
+        with pytest.raises(AssertionError, match=re.escape(
+                "the checkpoint trained with 4 sequences per step (training.global_batch_size = -1: local_batch_size "
+                "x data-parallel ranks when the run started); 4 rank(s) x local_batch_size 2 = 8 cannot make that "
+                "up by gradient accumulation. Keep its batch with --training.global_batch_size=4 "
+                "--training.local_batch_size=1, or train on with 8 per step: --training.global_batch_size=8")):
+            run_ranks(_run, 4, str(tmp_path), "disabled", None, default)
+        return
+    second = run_ranks(_run, 1, str(tmp_path), "disabled", None, default)
+    assert second[0][0] == HALF
+    assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5)
+
+
 def test_loader_workers_change_freely_on_resume(tmp_path, reference):
     first = run_ranks(_run, 1, str(tmp_path), "disabled", HALF, {})
     second = run_ranks(_run, 1, str(tmp_path), "disabled", None, {"data": {"num_workers": 2}})

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_te.errors import ConfigError
 from titan_te.init_weights import local_tensor
 from titan_te.te.tensors import is_quantized
 
@@ -68,3 +69,31 @@ def training_state_finite(model, optimizer) -> bool:
     if dist.is_initialized():
         dist.all_reduce(bad)
     return bool(bad == 0)
+
+
+def global_batch_plan(t, dp_world: int, saved: int | None) -> tuple[int, int, str]:
+    """(gradient accumulation, sequences per step, a line for the log or "") from the [training] section `t`.
+    training.global_batch_size = -1 is local_batch_size x data-parallel ranks when a run starts; a resume keeps
+    the batch its checkpoint trained with (`saved`), by gradient accumulation, on any rank count that can make
+    it up, and refuses in one line on one that cannot."""
+    per_step = t.local_batch_size * dp_world
+    if t.global_batch_size > 0:
+        return t.global_batch_size // per_step, t.global_batch_size, ""
+    if saved is None or saved == per_step:
+        return 1, per_step, ""
+    if saved % per_step == 0:
+        accum = saved // per_step
+        return accum, saved, (f"batch: {saved} sequences per step, as the checkpoint trained (training."
+                              f"global_batch_size = -1 is fixed when a run starts): {dp_world} rank(s) x "
+                              f"{t.local_batch_size} x {accum} accumulation steps; --training.global_batch_size "
+                              f"sets another")
+    if saved % dp_world == 0:
+        local = max(d for d in range(1, t.local_batch_size + 1) if (saved // dp_world) % d == 0)
+        keep = f"--training.global_batch_size={saved} --training.local_batch_size={local}"
+    else:
+        keep = f"a number of data-parallel ranks that divides {saved}"
+    raise ConfigError(f"the checkpoint trained with {saved} sequences per step (training.global_batch_size = -1: "
+                      f"local_batch_size x data-parallel ranks when the run started); {dp_world} rank(s) x "
+                      f"local_batch_size {t.local_batch_size} = {per_step} cannot make that up by gradient "
+                      f"accumulation. Keep its batch with {keep}, or train on with {per_step} per step: "
+                      f"--training.global_batch_size={per_step}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
+from titan_te.checkpoint.folder import saved_global_batch
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import DataPosition, build_dataloader, stop_workers, worker_death
 from titan_te.data.tokenizers import padded_vocab
@@ -49,7 +50,7 @@ from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, lo
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
 from titan_te.memory_estimate import check_fits, local_world
-from titan_te.train_utils import clip_grad_norm, set_determinism, training_state_finite
+from titan_te.train_utils import clip_grad_norm, global_batch_plan, set_determinism, training_state_finite
 
 logger = logging.getLogger("titan_te")
 
@@ -141,6 +142,7 @@ class Trainer:
     def _build(self, cfg: config_mod.Config) -> None:
         """The numbered recipe; each stage builds its parts from its own config sections."""
         self.env = self._distributed(cfg.training, cfg.parallelism)  # 1.
+        self._batch(cfg.training, cfg.checkpoint, cfg.run_folder)
         self._claim_run_folder(cfg.run_folder, cfg.job)
         val_source = self._data(cfg.data, cfg.validation, cfg.training)  # 2.
         self.optimizer_spec = OPTIMIZERS.get(cfg.optimizer.name)
@@ -164,10 +166,15 @@ class Trainer:
         env = init_distributed(self.device_type, dims, p.comm_timeout_s, p.rendezvous_timeout_s)
         self.device = env.device
         set_determinism(t.seed, t.deterministic)
-        self.grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * env.dp_world) or 1
-        self.global_batch = t.local_batch_size * self.grad_accum * env.dp_world  # sequences per step
-        self.tokens_per_step = self.global_batch * t.seq_len
         return env
+
+    def _batch(self, t, ck, run_folder: Path) -> None:
+        """1b. Sequences per step: the configured global batch, or (-1) the one the run started with."""
+        folder = Path(ck.folder) if Path(ck.folder).is_absolute() else run_folder / ck.folder
+        resumes = ck.enable and "train_state" not in ck.exclude_from_loading  # else it counts from step 1 again
+        saved = on_rank0(lambda: saved_global_batch(folder, ck.load_step)) if resumes else None
+        self.grad_accum, self.global_batch, self._batch_note = global_batch_plan(t, self.env.dp_world, saved)
+        self.tokens_per_step = self.global_batch * t.seq_len
 
     def _claim_run_folder(self, folder: Path, job) -> None:
         """One trainer per run folder: rank 0 holds its lock until close (a dead holder's is taken over)."""
@@ -305,6 +312,7 @@ class Trainer:
                 "optimizer": {"name": o.name, **self.optimizer_spec.facts(
                     o, config_mod.component_options(self.cfg, "optimizer", o.name))},
                 "tokenizer": dict(identity), "settings": self.cfg.settings(),
+                "data": {"global_batch": self.global_batch},  # what global_batch_size = -1 keeps on a resume
                 "export": {"seq_len": self.cfg.training.seq_len, "custom_import": self.cfg.job.custom_import,
                            "bos_id": int(tok.bos_id), "eos_id": int(tok.eos_id)}}
 
@@ -333,6 +341,8 @@ class Trainer:
             shared = f"; {SHARE_GPU}=1 has no effect here (it puts the ranks of a GPU run on one GPU)"
         logger.info(f"parallel: {p.data_parallel}{ran} on {self.env.world_size} rank(s) "
                     f"({' x '.join(f'{n} {s}' for n, s in self.env.dims.dims)}), device {self.device}{shared}")
+        if self._batch_note:
+            logger.info(self._batch_note)
         logger.info(f"batch: {t.local_batch_size} x {t.seq_len} tokens per micro-batch, grad accumulation "
                     f"{self.grad_accum}, {self.tokens_per_step:,} tokens per step, "
                     f"{self.model_args.flops_per_token(t.seq_len) * self.tokens_per_step / 1e12:,.2f} TFLOP per step")

@@ -107,6 +107,22 @@ def scan(folder: Path) -> tuple[dict[int, Manifest], list[Path]]:
     return dict(sorted(found.items())), sorted(others)
 
 
+def resume_manifest(folder: Path, load_step: int = 0) -> Manifest | None:
+    """The manifest of the checkpoint a resume would load: `load_step` (> 0), else the newest complete one."""
+    found, _ = scan(folder)
+    if load_step > 0:
+        return found.get(load_step)
+    return found[max(found)] if found else None
+
+
+def saved_global_batch(folder: Path, load_step: int = 0) -> int | None:
+    """Sequences per step of the run whose checkpoint a resume would load (its facts' data.global_batch), or
+    None: no checkpoint, or one of a titan_te that did not record it."""
+    m = resume_manifest(folder, load_step)
+    value = (m.facts.get("data") or {}).get("global_batch") if m is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 2**31 else None
+
+
 def complete_steps(folder: Path) -> list[int]:
     """Steps of the complete checkpoints in `folder`, ascending."""
     return list(scan(folder)[0])

@@ -87,8 +87,9 @@ class Model:
 class Training:
     steps: int = opt(200, "optimizer steps to train", bounds=Bounds(1, 10**9))
     local_batch_size: int = opt(8, "sequences per micro-batch on each data-parallel rank", bounds=Bounds(1, 2**20))
-    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks (-1: local x dp); "
-                                     "gradient accumulation = global / (local x dp)")
+    global_batch_size: int = opt(-1, "sequences per optimizer step over all ranks (-1: local x dp when the run "
+                                     "starts, kept on a resume on another rank count); gradient accumulation = "
+                                     "global / (local x dp)")
     seq_len: int = opt(256, "tokens per sequence", bounds=Bounds(1, 2**22))
     max_norm: float = opt(1.0, "gradient-norm clipping threshold (0 disables clipping)", bounds=NON_NEGATIVE)
     seed: int = opt(0, "seed for weights, data order and dropout-free sampling", bounds=Bounds(0, 2**32 - 1))
