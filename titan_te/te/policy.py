@@ -88,7 +88,7 @@ class FP8Policy:
 
         def fresh_transposes(module, args):
             for p in module.parameters():
-                if tensors.is_quantized(p):
+                if tensors.is_float8(p):  # per-tensor FP8 derives its transpose; block / MX gather both layouts
                     tensors.written_in_place(p)
 
         for module in unit if isinstance(unit, (list, tuple)) else [unit]:
