@@ -186,8 +186,8 @@ def test_workers_die_with_a_killed_launcher_and_a_live_run_folder_is_locked(tmp_
     assert log.count("training from step") == 3, log  # every run appended its lines, also the killed ones
 
 
-OVERFLOWED = ("step 4 left weights or optimizer state that are not finite (its update overflowed): the weights are "
-              "not finite any more, so nothing from step 4 on is saved; the newest checkpoint, step-2")
+OVERFLOWED = ("step 4 left weights or optimizer state that are not finite (its update overflowed): the training "
+              "state is not finite any more, so nothing from step 4 on is saved; the newest checkpoint, step-2")
 
 
 @pytest.mark.parametrize("at_step, into, stopped, fragment, kept, ranks", [

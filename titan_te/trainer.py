@@ -487,7 +487,7 @@ class Trainer:
         self._stop_if_diverged()
         if not training_state_finite(self.model, self.optimizer):
             self._diverged(self.state.step, f"step {self.state.step} left weights or optimizer state that are not "
-                                            f"finite (its update overflowed)")
+                                            f"finite (its update overflowed)", broken="the training state is")
 
     def _stop_if_diverged(self) -> None:
         """A step whose loss or grad norm is NaN / inf has made the weights non-finite: stop before any save
@@ -496,13 +496,13 @@ class Trainer:
         if bad is not None:
             self._diverged(bad.step, f"step {bad.step} has loss {bad.loss} and grad norm {bad.grad_norm}")
 
-    def _diverged(self, step: int, what: str) -> None:
+    def _diverged(self, step: int, what: str, broken: str = "the weights are") -> None:
         ck = self.checkpointer
         ck.flush()  # a save still in flight is of an earlier step, whose values were finite: it lands
         saved = complete_steps(ck.folder) if ck.enabled else []
         kept = (f"the newest checkpoint, step-{saved[-1]}, is from before it and rerunning the command resumes "
                 f"there" if saved else "no checkpoint of this run was saved before it")
-        raise Diverged(f"{what}: the weights are not finite any more, so nothing from step {step} on is saved; "
+        raise Diverged(f"{what}: {broken} not finite any more, so nothing from step {step} on is saved; "
                        f"{kept}. Lower --optimizer.lr, lengthen --lr_scheduler.warmup_steps, or look at the data "
                        f"of step {step}")
 
