@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
-from titan_te.checkpoint.folder import saved_global_batch
+from titan_te.checkpoint.folder import checkpoint_folder, saved_global_batch
 from titan_te.data import DATASETS, TOKENIZERS
 from titan_te.data.loader import DataPosition, build_dataloader, stop_workers, worker_death
 from titan_te.data.tokenizers import padded_vocab
@@ -170,7 +170,7 @@ class Trainer:
 
     def _batch(self, t, ck, run_folder: Path) -> None:
         """1b. Sequences per step: the configured global batch, or (-1) the one the run started with."""
-        folder = Path(ck.folder) if Path(ck.folder).is_absolute() else run_folder / ck.folder
+        folder = checkpoint_folder(ck, run_folder)
         resumes = ck.enable and "train_state" not in ck.exclude_from_loading  # else it counts from step 1 again
         saved = on_rank0(lambda: saved_global_batch(folder, ck.load_step)) if resumes else None
         self.grad_accum, self.global_batch, self._batch_note = global_batch_plan(t, self.env.dp_world, saved)
@@ -271,7 +271,7 @@ class Trainer:
                                data_position=self.data_position,
                                optimizer_state_bytes=functools.partial(self.optimizer_spec.state_bytes,
                                                                        self.cfg.optimizer))
-        folder = Path(ck.folder) if Path(ck.folder).is_absolute() else self.run_folder / ck.folder
+        folder = checkpoint_folder(ck, self.run_folder)
         # a background save copies the weights while the next forward/backward runs: the manager's hook keeps
         # the optimizer from changing them before the copy is complete; a step's line is logged before its save
         self.checkpointer = CheckpointManager(ck, folder, parts, env, self._facts(), t.steps, self.run_folder,

@@ -107,12 +107,23 @@ def scan(folder: Path) -> tuple[dict[int, Manifest], list[Path]]:
     return dict(sorted(found.items())), sorted(others)
 
 
-def resume_manifest(folder: Path, load_step: int = 0) -> Manifest | None:
-    """The manifest of the checkpoint a resume would load: `load_step` (> 0), else the newest complete one."""
-    found, _ = scan(folder)
+def checkpoint_folder(ck, run_folder: Path) -> Path:
+    """Where the [checkpoint] section `ck` saves: checkpoint.folder, relative to the run folder unless absolute."""
+    return Path(ck.folder) if Path(ck.folder).is_absolute() else Path(run_folder) / ck.folder
+
+
+def resume_step(found: dict, load_step: int = 0) -> int | None:
+    """The step a resume loads from the complete checkpoints `found`: `load_step` (> 0), else the newest."""
     if load_step > 0:
-        return found.get(load_step)
-    return found[max(found)] if found else None
+        return load_step if load_step in found else None
+    return max(found) if found else None
+
+
+def resume_manifest(folder: Path, load_step: int = 0) -> Manifest | None:
+    """The manifest of the checkpoint a resume would load."""
+    found, _ = scan(folder)
+    step = resume_step(found, load_step)
+    return None if step is None else found[step]
 
 
 def saved_global_batch(folder: Path, load_step: int = 0) -> int | None:

@@ -179,9 +179,9 @@ class CheckpointManager:
             plan["error"] = (f"checkpoint.load_step = {want}: no complete checkpoint {fs.step_dir(self.folder, want)}"
                              f" (complete steps: {', '.join(map(str, found)) or 'none'})")
             return plan
-        if not found:
+        step = fs.resume_step(found, want)
+        if step is None:
             return plan
-        step = want if want > 0 else max(found)
         m = found[step]
         other = self._other_run(m)
         if other:

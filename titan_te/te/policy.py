@@ -2,8 +2,9 @@
 
 Models ask which blocks get FP8 weights and compute (`block_fp8`, `block_init`), what the output head runs
 in FP8 (`head`); the parallelism asks whether a block must keep its gathered weights (`keeps_gathered`) and
-tells it which units it keeps gathered from forward to backward (`gathered_until_backward`); the optimizer asks for a weight's value before it was quantized (`init_value`); the training step enters
-`autocast()`. Nothing else reads fp8.* options or marks tensors and modules for one another.
+tells it which units it keeps gathered from forward to backward (`gathered_until_backward`); the optimizer
+asks for a weight's value before it was quantized (`init_value`); the training step enters `autocast()`.
+Nothing else reads fp8.* options or marks tensors and modules for one another.
 """
 from __future__ import annotations
 
