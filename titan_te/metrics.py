@@ -60,19 +60,21 @@ class DeviceValues:
     reads a step's values late and at uneven points: after the next step is queued, before a save, at the
     end of the loop). On a GPU the end is an event recorded after the step's last kernel, and the time
     between two events is the wall time between the two step ends, idle gaps included; on the CPU the
-    step has ended when `train_step` returns."""
+    step has ended when `train_step` returns. The event follows the copy to host memory: recorded before
+    it, `get()` read the host buffer while the copy could still be queued (under a busy GPU, a healthy
+    step read back as loss NaN, grad norm NaN)."""
 
     def __init__(self, values: torch.Tensor | None, device: torch.device):
         self.event = None
         self.ended = time.perf_counter()
-        if device.type == "cuda":
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record()
         self.host = None
         if values is not None and device.type == "cuda":
             self.host = values.detach().to("cpu", non_blocking=True)
         elif values is not None:
             self.host = values.detach()
+        if device.type == "cuda":  # after the copy: waiting for the event waits for the copy too
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
 
     @classmethod
     def start(cls, device: torch.device) -> "DeviceValues":
