@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite (tests marked `gpu`), in groups that run side by side on one GPU.
 #
-#   bash scripts/test_gpu.sh single   # one rank: TE layers, FP8 recipes, the fused head, metrics, the acceptance test
+#   bash scripts/test_gpu.sh single   # one rank: TE layers, FP8 recipes, the fused head, metrics, FP8 against bf16
+#                                     # over 200 steps of 1B-wide blocks, the acceptance test
 #   bash scripts/test_gpu.sh shared   # 2 to 4 ranks sharing the GPU (TITAN_TE_SHARE_GPU=1, gloo)
 #   bash scripts/test_gpu.sh all      # both waves, one after the other
-#   bash scripts/test_gpu.sh GROUP    # one group of a wave (layers, acceptance, shared_tracking, shared_state,
-#                                     # shared_memory, shared_launcher), e.g. to fit a time-limited session
+#   bash scripts/test_gpu.sh GROUP    # one group of a wave (layers, tracking_1b, acceptance, shared_tracking,
+#                                     # shared_state, shared_memory, shared_launcher), e.g. to fit a time-limited session
 #
 # A wave's groups run at once, each logging to LOG_DIR (default gpu_logs/) as <group>.log; the script prints
 # each group's pytest summary line and exits non-zero if any group failed, timed out, skipped a test or ran
@@ -29,7 +30,7 @@ pids=() names=() failed_early=0
 group() {  # group NAME PYTEST_ARGS...: start one group in the background (after earlier ones, past AT_ONCE)
   local name="$1"; shift
   if [ "${#pids[@]}" -ge "$at_once" ]; then finish || failed_early=1; fi
-  timeout "$limit" python3 -m pytest -m gpu -q -s -p no:cacheprovider "$@" > "$logs/$name.log" 2>&1 &
+  timeout "$limit" python3 -m pytest -m gpu -q -s -p no:cacheprovider --durations=8 "$@" > "$logs/$name.log" 2>&1 &
   pids+=($!) names+=("$name")
 }
 finish() {  # wait for the started groups; print each one's summary; non-zero if any failed
@@ -52,13 +53,14 @@ wave_end() {  # finish the wave's last groups; non-zero if any group of the wave
   failed_early=0
   return $ok
 }
-layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py; }
+layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py -k "not tracks_bf16"; }
+tracking_1b() { group tracking_1b tests/test_te_gpu.py -k "tracks_bf16"; }
 acceptance() { group acceptance tests/test_acceptance_gpu.py; }
 shared_tracking() { group shared_tracking tests/test_shared_gpu.py -k "init or track"; }
 shared_state() { group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards or other_rank"; }
 shared_memory() { group shared_memory tests/test_shared_gpu.py -k "recomputed or planner"; }
 shared_launcher() { group shared_launcher tests/test_shared_gpu.py -k "kill or hsdp or one_line"; }
-single() { layers; acceptance; wave_end; }
+single() { layers; tracking_1b; acceptance; wave_end; }
 shared() { shared_tracking; shared_state; shared_memory; shared_launcher; wave_end; }
 
 status=0
@@ -66,8 +68,8 @@ case "$wave" in
   single) single || status=1 ;;
   shared) shared || status=1 ;;
   all) single || status=1; shared || status=1 ;;
-  layers|acceptance|shared_tracking|shared_state|shared_memory|shared_launcher) "$wave"; wave_end || status=1 ;;
-  *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, all, or one group: layers, acceptance," \
-          "shared_tracking, shared_state, shared_memory, shared_launcher)" >&2; exit 2 ;;
+  layers|tracking_1b|acceptance|shared_tracking|shared_state|shared_memory|shared_launcher) "$wave"; wave_end || status=1 ;;
+  *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, all, or one group: layers, tracking_1b," \
+          "acceptance, shared_tracking, shared_state, shared_memory, shared_launcher)" >&2; exit 2 ;;
 esac
 exit $status
