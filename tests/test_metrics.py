@@ -168,8 +168,9 @@ def test_a_steps_values_read_back_are_its_own_while_the_copy_engine_is_busy():
     """A step's values are copied to the host without waiting; reading them must wait for that copy. The
     event they waited on was recorded before the copy was queued, so a read could find the host buffer
     unwritten: a healthy 1B run in the GPU suite stopped as 'diverged' with loss NaN and grad norm NaN while
-    another job used the GPU. Here a large copy to the host on another stream (what a background checkpoint
-    does) holds the copy engine while each step's values are queued behind it."""
+    another job used the GPU. Here the values are 8 MB (their copy takes a while after the step's last
+    kernel) and a 1 GiB copy to the host on another stream (what a background checkpoint does) keeps the
+    copy engines busy; each round's values differ, so a buffer left from the round before shows too."""
     import torch
 
     from titan_te.metrics import DeviceValues
@@ -178,17 +179,18 @@ def test_a_steps_values_read_back_are_its_own_while_the_copy_engine_is_busy():
     big = torch.ones(256 * 2**20, device=device)  # 1 GiB
     sink = torch.empty(big.shape, pin_memory=True)
     side = torch.cuda.Stream()
+    n = 2**21
     wrong = []
     for i in range(20):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             sink.copy_(big, non_blocking=True)
-        values = torch.arange(4, device=device, dtype=torch.float32) + i + 0.5
-        got = DeviceValues(values, device).get()
-        if got != [i + 0.5, i + 1.5, i + 2.5, i + 3.5]:
-            wrong.append((i, got))
+        expected = torch.arange(n, dtype=torch.float32) + (i + 0.5)
+        got = DeviceValues(expected.to(device), device).get()
+        if got != expected.tolist():
+            wrong.append((i, sum(a != b for a, b in zip(got, expected.tolist()))))
     torch.cuda.synchronize()
-    assert not wrong, wrong
+    assert not wrong, f"(round, values read wrong): {wrong}"
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
