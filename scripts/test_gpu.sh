@@ -6,7 +6,8 @@
 #   bash scripts/test_gpu.sh shared   # 2 to 4 ranks sharing the GPU (TITAN_TE_SHARE_GPU=1, gloo)
 #   bash scripts/test_gpu.sh all      # both waves, one after the other
 #   bash scripts/test_gpu.sh GROUP    # one group of a wave (layers, tracking_1b, acceptance, shared_tracking,
-#                                     # shared_state, shared_memory, shared_launcher), e.g. to fit a time-limited session
+#                                     # shared_state, shared_elastic, shared_memory, shared_launcher), e.g. to
+#                                     # fit a time-limited session
 #
 # A wave's groups run at once, each logging to LOG_DIR (default gpu_logs/) as <group>.log; the script prints
 # each group's pytest summary line and exits non-zero if any group failed, timed out, skipped a test or ran
@@ -57,19 +58,21 @@ layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metri
 tracking_1b() { group tracking_1b tests/test_te_gpu.py -k "tracks_bf16"; }
 acceptance() { group acceptance tests/test_acceptance_gpu.py; }
 shared_tracking() { group shared_tracking tests/test_shared_gpu.py -k "init or track"; }
-shared_state() { group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards or other_rank"; }
+shared_state() { group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards"; }
+shared_elastic() { group shared_elastic tests/test_shared_gpu.py -k "other_rank"; }
 shared_memory() { group shared_memory tests/test_shared_gpu.py -k "recomputed or planner"; }
 shared_launcher() { group shared_launcher tests/test_shared_gpu.py -k "kill or hsdp or one_line"; }
 single() { layers; tracking_1b; acceptance; wave_end; }
-shared() { shared_tracking; shared_state; shared_memory; shared_launcher; wave_end; }
+shared() { shared_tracking; shared_state; shared_elastic; shared_memory; shared_launcher; wave_end; }
 
 status=0
 case "$wave" in
   single) single || status=1 ;;
   shared) shared || status=1 ;;
   all) single || status=1; shared || status=1 ;;
-  layers|tracking_1b|acceptance|shared_tracking|shared_state|shared_memory|shared_launcher) "$wave"; wave_end || status=1 ;;
+  layers|tracking_1b|acceptance|shared_tracking|shared_state|shared_elastic|shared_memory|shared_launcher)
+    "$wave"; wave_end || status=1 ;;
   *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, all, or one group: layers, tracking_1b," \
-          "acceptance, shared_tracking, shared_state, shared_memory, shared_launcher)" >&2; exit 2 ;;
+          "acceptance, shared_tracking, shared_state, shared_elastic, shared_memory, shared_launcher)" >&2; exit 2 ;;
 esac
 exit $status

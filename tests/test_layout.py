@@ -112,8 +112,8 @@ def test_the_gpu_script_runs_every_gpu_test_once():
 
     script = (ROOT / "scripts" / "test_gpu.sh").read_text()
     groups = re.findall(r"^\w+\(\) \{ group (\w+) ((?:tests/\S+ ?)+)(?:-k \"([^\"]+)\")?; \}", script, re.M)
-    assert {g[0] for g in groups} == {"layers", "tracking_1b", "acceptance", "shared_tracking", "shared_state", "shared_memory",
-                                      "shared_launcher"}
+    assert {g[0] for g in groups} == {"layers", "tracking_1b", "acceptance", "shared_tracking", "shared_state",
+                                      "shared_elastic", "shared_memory", "shared_launcher"}
     selected = [t for _, files, expr in groups for t in collect(files.split(), expr or None)]
     every = collect(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))
     assert len(every) > 40 and sorted(selected) == sorted(every)
