@@ -784,6 +784,70 @@ def test_a_start_up_signal_whose_exception_was_dropped_still_stops_before_traini
     assert e.value.exit_code == 130 and e.value.line().startswith("interrupted: SIGINT while building the model;")
 
 
+def test_a_start_up_signal_inside_an_import_waits_for_the_import_to_end(tmp_path, monkeypatch):
+    """Torch imports lazily (torch.use_deterministic_algorithms imports inductor, which imports numpy.linalg):
+    an Interrupted raised half-way through an import left numpy.linalg half-initialized, and its next use
+    recursed into a RecursionError traceback, exit 1 (found by stopping jobs at random moments). The
+    interruption now comes once the import has ended: the module is whole, and the line is the same."""
+    import signal
+    import sys
+    import time
+
+    from titan_te.errors import Interrupted
+    from titan_te.preemption import SIGNALS
+
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while this module runs\n"
+        "for _ in range(30):\n"
+        "    time.sleep(0.01)  # Python code of the import: where the handler runs\n"
+        "whole = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with SIGNALS.installed():
+        SIGNALS.doing("importing")
+        with pytest.raises(Interrupted) as e:
+            import slow_module  # noqa: F401
+            time.sleep(1)
+    assert sys.modules["slow_module"].whole
+    assert e.value.exit_code == 130 and e.value.line().startswith("interrupted: SIGINT while importing;")
+    del sys.modules["slow_module"]
+
+
+def test_a_start_up_signal_that_a_library_wrapped_in_its_own_error_is_still_one_line(capsys):
+    """DCP's load catches whatever a read raises and raises a CheckpointException with it: a Ctrl-C while a run
+    resumed was a traceback, exit 1 (found by stopping jobs at random moments). The entry points (train.py's
+    main and the tools') report the interruption behind such an error: one line, 128 + N."""
+    import signal
+    import time
+
+    from titan_te.tool_cli import run_tool
+
+    class CheckpointException(BaseException):  # DCP's, a BaseException too
+        pass
+
+    def body():
+        try:  # what DCP's load does around a read
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except BaseException as e:  # noqa: BLE001
+            raise CheckpointException("ranks:dict_keys([0])") from e
+        raise AssertionError("the signal never came")
+
+    assert run_tool("prepare", body) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("interrupted: SIGINT while starting;"), err
+
+
+def test_an_error_of_its_own_keeps_its_traceback_after_no_signal():
+    from titan_te.tool_cli import run_tool
+
+    def body():
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_tool("prepare", body)
+
+
 # --- round 2: two runs, one checkpoint folder -----------------------------------------------------------
 def test_two_runs_never_share_a_checkpoint_folder_unless_asked(capsys, tmp_path):
     """Run A saves into an absolute checkpoint.folder; run B names the same folder: refused while A runs (the

@@ -249,3 +249,53 @@ def test_a_data_loader_worker_killed_by_the_kernel_is_one_line_and_the_next_run_
     again = _run([*args[:1], f"--training.steps={newest + 1}", *args[2:]], NGPU=1)
     assert again.returncode == 0 and f"training from step {newest + 1}" in again.stdout, again.stderr[-2000:]
     assert not list((tmp_path / "debug/checkpoint").glob("*.tmp"))
+
+
+# how a job is stopped: a signal, and whom it reaches (the launcher's group, as Slurm and a shell's Ctrl-C do, or
+# the launcher alone); the exit codes a stopped job may end with (SIGKILL, preempted, interrupted at start-up by
+# SIGTERM / SIGINT, or already finished)
+STOPS = [(signal.SIGKILL, "group"), (signal.SIGKILL, "launcher"), (signal.SIGTERM, "group"),
+         (signal.SIGTERM, "launcher"), (signal.SIGINT, "group")]
+STOPPED_EXITS = {-signal.SIGKILL, 75, 128 + signal.SIGTERM, 128 + signal.SIGINT, 0}
+
+
+def _losses(run_folder: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_folder / "debug/metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss_metrics/global_avg_loss"] for row in rows if "loss_metrics/global_avg_loss" in row}
+
+
+def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterrupted_losses(tmp_path):
+    """The user's path after crashes and preemptions: the job is stopped at a random moment (start-up, a step, a
+    background save, the final save) by a random signal, and the same command is rerun on 1 or 2 ranks, five
+    times; then it runs to the end. Every step's loss equals the uninterrupted run's (within 1e-4: one rank sums
+    the global batch in another order than two), every stop is one line or none, and nothing is a traceback.
+    Seeded (TITAN_TE_STOP_SEED) to replay a schedule; the moments are wall-clock, so each run tries other windows."""
+    import random
+
+    args = [*SMALL, "--training.steps=40", "--training.global_batch_size=4", "--training.deterministic=true",
+            "--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.async_mode=async",
+            "--checkpoint.keep_latest_k=2", "--metrics.enable_jsonl=true"]
+    ref = _run([f"--job.dump_folder={tmp_path / 'ref'}", *args], NGPU=2)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    rng = random.Random(int(os.environ.get("TITAN_TE_STOP_SEED", "0")))
+    run = [f"--job.dump_folder={tmp_path / 'run'}", *args]
+    schedule = []
+    for _ in range(5):
+        ngpu, (sig, whom), after = rng.choice([1, 2]), rng.choice(STOPS), rng.uniform(1.0, 9.0)
+        proc = _start(run, NGPU=ngpu)
+        try:
+            out, err = proc.communicate(timeout=after)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, sig) if whom == "group" else os.kill(proc.pid, sig)
+            out, err = proc.communicate(timeout=180)
+        schedule.append((ngpu, sig.name, whom, round(after, 1), proc.returncode))
+        assert proc.returncode in STOPPED_EXITS, (schedule, err[-2000:])
+        assert "Traceback" not in out + err, (schedule, err[-3000:])
+        assert len(err.strip().splitlines()) <= 1, (schedule, err)
+    print("stops (ranks, signal, to, after s, exit):", schedule)
+    final = _run(run, NGPU=rng.choice([1, 2]))
+    assert final.returncode == 0, (schedule, final.stderr[-2000:])
+    want, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
+    assert sorted(got) == sorted(want) == list(range(1, 41)), schedule
+    assert all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want), (schedule, [(s, got[s], want[s])
+                                                                                     for s in want])

@@ -281,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         say(e.line())
         return e.exit_code
+    finally:
+        # the exit code is decided: Python's teardown resets our handlers to the default, and a stop signal
+        # then (the scheduler's repeat, a late Ctrl-C) would end a finished job as killed, with no line
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

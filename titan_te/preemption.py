@@ -3,7 +3,10 @@
 One handler, installed by every entry point before it does anything, answers by phase:
 - starting (imports, config, data, model build, resume) and in the `prepare` / `export` tools: the
   first signal raises `Interrupted` (one line, exit 128 + N): nothing of the run is half-written, since
-  every save and publish is atomic and an interrupted one leaves only a `.tmp` the next start removes;
+  every save and publish is atomic and an interrupted one leaves only a `.tmp` the next start removes.
+  Not inside an import, though: a module left half-initialized breaks the next use of it before the
+  exception gets out (torch imports lazily; numpy.linalg then recursed until a RecursionError), so the
+  request is delivered again every DEFER_S until the main thread is out of the import;
 - training: the first signal sets a flag; every rank finishes the step, saves, and exits 75;
 - finishing (after the loop, while the process tears down): nothing more happens, the exit code
   stays what the run decided (75 after a stop save).
@@ -26,6 +29,7 @@ from titan_te.errors import Interrupted, Preempted, say
 logger = logging.getLogger("titan_te")
 EXIT_PREEMPTED = Preempted.exit_code
 REPEAT_WINDOW_S = 3.0
+DEFER_S = 0.02  # how often a start-up interruption that came inside an import is tried again
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -48,10 +52,14 @@ class StopSignals:
         self._pid = 0
         self.decided: int | None = None  # the exit code the run has settled on (75 after a stop save), kept by a late exit
         self.interrupted: Interrupted | None = None  # raised while starting (kept: see training())
+        self._again = False  # the next call of the handler is a deferred interruption, delivered again
 
     def _handler(self, signum, frame):
         if os.getpid() != self._pid:
             return  # a forked helper (a data-loader worker): the process that installed the handler decides
+        if self._again:
+            self._again = False
+            return self._interrupt(signum, frame)
         now = time.monotonic()
         if self.flag:
             if now - self._first < REPEAT_WINDOW_S:
@@ -60,14 +68,37 @@ class StopSignals:
         self.flag, self._first = True, now
         name = signal.Signals(signum).name
         if self.phase == "starting":
-            self.phase = "finishing"  # whatever the raise unwinds through is not interrupted again
-            self.interrupted = Interrupted(signum, self.what)
-            raise self.interrupted
+            return self._interrupt(signum, frame)
         if self.phase == "training":
             logger.warning(f"received {name}: finishing this step, then saving and exiting (send it again to "
                            f"exit at once)")
         else:
             logger.warning(f"received {name} while finishing the run; send it again to exit at once")
+
+    def _interrupt(self, signum, frame) -> None:
+        """Raise the start-up interruption where the main thread is, or, inside an import, a moment later."""
+        if self.phase != "starting":
+            return  # training began meanwhile: the flag is a stop request there (a step, a save, exit 75)
+        if _inside_import(frame):
+            def again():
+                if signal.getsignal(signum) == self._handler:  # still this process's entry point
+                    self._again = True
+                    signal.pthread_kill(threading.main_thread().ident, signum)  # the main thread, as before
+
+            timer = threading.Timer(DEFER_S, again)
+            timer.daemon = True
+            timer.start()
+            return
+        self.phase = "finishing"  # whatever the raise unwinds through is not interrupted again
+        self.interrupted = Interrupted(signum, self.what)
+        raise self.interrupted
+
+    def stop_behind(self, err: BaseException) -> Interrupted | None:
+        """The start-up interruption that `err` is, or that a library turned into `err` (DCP's load wraps what a
+        read raises in a CheckpointException, a BaseException); None when `err` is an error of its own."""
+        if isinstance(err, Interrupted):
+            return err
+        return None if isinstance(err, SystemExit) else self.interrupted
 
     @contextlib.contextmanager
     def installed(self, for_good: bool = False):
@@ -119,6 +150,15 @@ class StopSignals:
                 yield self
             finally:
                 self.phase = "finishing"
+
+
+def _inside_import(frame) -> bool:
+    """Whether `frame` runs inside an import (importlib's frames are on the stack while a module executes)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 SIGNALS = StopSignals()

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable
 
-from titan_te.errors import Interrupted, UserError, say
+from titan_te.errors import UserError, say
 from titan_te.preemption import SIGNALS
 
 
@@ -33,9 +33,12 @@ def run_tool(prefix: str, body: Callable[[], int], exits_after: bool = False) ->
         except UserError as e:
             say(f"{prefix}: {e.msg}" if not e.msg.startswith(f"{prefix}:") else e.msg)
             return 2
-        except Interrupted as e:
-            say(e.line())
-            return e.exit_code
+        except BaseException as e:  # noqa: BLE001 -- re-raised unless it is the user's stop
+            stop = SIGNALS.stop_behind(e)
+            if stop is None:
+                raise
+            say(stop.line())
+            return stop.exit_code
 
 
 def stderr_is_clean() -> None:
