@@ -287,7 +287,13 @@ def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterru
             out, err = proc.communicate(timeout=after)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, sig) if whom == "group" else os.kill(proc.pid, sig)
-            out, err = proc.communicate(timeout=180)
+            try:
+                out, err = proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                raise AssertionError(f"still running 180 s after {sig.name} to the {whom}: {schedule}, "
+                                     f"{(ngpu, after)}\n{out[-3000:]}\n{err[-2000:]}") from None
         schedule.append((ngpu, sig.name, whom, round(after, 1), proc.returncode))
         assert proc.returncode in STOPPED_EXITS, (schedule, err[-2000:])
         assert "Traceback" not in out + err, (schedule, err[-3000:])
