@@ -1096,6 +1096,70 @@ def test_a_head_node_whose_peer_never_joins_names_it_within_the_rendezvous_timeo
     assert "within 3 s (parallelism.rendezvous_timeout_s)" in r.stderr and time.monotonic() - t0 < 60
 
 
+def test_two_nodes_given_one_node_rank_are_refused_in_one_line_each(tmp_path):
+    """NNODES=3 with NODE_RANK 1 twice (node 2 never started): one of the twins is refused at once, the other
+    and the head wait for node 2 and name it; nobody joins a process group with a duplicated rank."""
+    import subprocess
+
+    from test_launcher import _env
+
+    port = _free_port()
+    common = [f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=8", "--job.name=twins"]
+
+    def node(rank):
+        return subprocess.Popen(["./run_train.sh", *common], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env=_env(NNODES=3, NODE_RANK=rank, NGPU=1, MASTER_PORT=port))
+
+    procs = [node(0), node(1), node(1)]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    head, twins = results[0], results[1:]
+    _one_line(head[1], 2, head[0], "config error: ", "node 2 of 3 (rank 2) did not join rank 0")
+    refused = [t for t in twins if "already joined" in t[1]]
+    assert len(refused) == 1, twins
+    _one_line(refused[0][1], 2, refused[0][0], "[rank1] config error: ",
+              "rank 1 of 3 already joined rank 0 at 127.0.0.1:")
+    assert "two nodes were given the same NODE_RANK" in refused[0][1] and "(pid " in refused[0][1]
+    waiting = [t for t in twins if t is not refused[0]][0]
+    # it waits until rank 0 gives up (or, under load, until its own rendezvous timeout)
+    _one_line(waiting[1], 2, waiting[0], "[rank1] config error: ", "rank 1: ")
+    assert "stopped before every rank had joined" in waiting[1] or "did not all join" in waiting[1], waiting[1]
+
+
+def test_a_rank_that_arrives_at_a_running_jobs_port_is_refused_in_one_line(tmp_path):
+    """A worker node of a second job given the MASTER_ADDR / MASTER_PORT of a running one does not join it."""
+    import signal
+    import subprocess
+    import time
+
+    from test_launcher import _env
+
+    port = _free_port()
+    job = ["--training.steps=400", "--checkpoint.enable=false", "--metrics.log_freq=1"]
+    first = [subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path / 'a'}", *job], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                              env=_env(NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_PORT=port)) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while "step      1  loss" not in first[0].stdout.readline():  # the first job trains
+            assert first[0].poll() is None and time.monotonic() < deadline
+        late = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path / 'b'}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120,
+                              env=_env(NNODES=2, NODE_RANK=1, NGPU=1, MASTER_PORT=port))
+        _one_line(late.stderr, 2, late.returncode, "[rank1] config error: ",
+                  "rank 1 of 2: the job at 127.0.0.1:")
+        assert "another job is running at that MASTER_ADDR / MASTER_PORT" in late.stderr
+        assert all(p.poll() is None for p in first)  # the running job goes on
+    finally:
+        for p in first:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            p.stdout.close()
+
+
 @pytest.mark.parametrize("env, fragment", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR / MASTER_PORT are not; if no other process of this job"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nohost.invalid", "MASTER_PORT": "29555"},

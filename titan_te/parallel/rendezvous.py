@@ -63,7 +63,7 @@ def join(timeout_s: int) -> tuple[dist.Store, int, int]:
     port_n = _env_int("MASTER_PORT", 1, 65535)
     where = f"{addr}:{port_n}"
     store = _open_store(addr, port_n, rank, world, timeout_s, where)
-    store.set(f"{JOINED}/{rank}", socket.gethostname())
+    _claim(store, rank, world, where)
     store.add(JOINED, 1)
     if rank == 0:
         _wait_for_everyone(store, world, timeout_s, where)
@@ -93,6 +93,22 @@ def _open_store(addr: str, port: int, rank: int, world: int, timeout_s: int, whe
                 raise ConfigError(f"rank {rank} of {world} could not reach rank 0 at {where} within {timeout_s} s "
                                   f"(parallelism.rendezvous_timeout_s): the head node is not up or MASTER_ADDR / "
                                   f"MASTER_PORT point elsewhere; {STALE}") from None
+
+
+def _claim(store, rank: int, world: int, where: str) -> None:
+    """Check in as `rank`, once: a second process with the same rank (two nodes given one NODE_RANK, or a rank
+    of another job on the same MASTER_ADDR / MASTER_PORT) is refused in one line instead of both joining one
+    process group, and so is a rank that finds the rendezvous already over (another job is running there)."""
+    if rank and store.check([GO]):
+        raise ConfigError(f"rank {rank} of {world}: the job at {where} had already started when this rank came: "
+                          f"another job is running at that MASTER_ADDR / MASTER_PORT; give this job its own "
+                          f"MASTER_PORT (the same on every node)")
+    me = f"{socket.gethostname()} (pid {os.getpid()})"
+    holder = store.compare_set(f"{JOINED}/{rank}", "", me).decode()  # sets it only if no one has
+    if holder != me:
+        raise ConfigError(f"rank {rank} of {world} already joined rank 0 at {where} from {holder}: two nodes were "
+                          f"given the same NODE_RANK, or another job uses that MASTER_ADDR / MASTER_PORT; give "
+                          f"every node its own NODE_RANK (0 .. NNODES-1) and every job its own MASTER_PORT")
 
 
 @contextlib.contextmanager
@@ -126,11 +142,20 @@ def _wait_for_everyone(store, world: int, timeout_s: int, where: str) -> None:
 
 def _wait_for_go(store, rank: int, world: int, timeout_s: int, where: str) -> None:
     deadline = time.monotonic() + timeout_s
-    while not store.check([GO]):
+    while not _go(store, rank, where):
         if time.monotonic() > deadline:
             raise ConfigError(f"rank {rank}: the other ranks of this job did not all join rank 0 at {where} within "
                               f"{timeout_s} s (parallelism.rendezvous_timeout_s); rank 0's log names them") from None
         time.sleep(POLL_S)
+
+
+def _go(store, rank: int, where: str) -> bool:
+    """Whether rank 0 has said go; a line if rank 0 has gone (it gave up on a rank that never came, or stopped)."""
+    try:
+        return store.check([GO])
+    except (dist.DistNetworkError, dist.DistStoreError):
+        raise ConfigError(f"rank {rank}: rank 0 at {where} stopped before every rank had joined (rank 0's log says "
+                          f"why, e.g. the node that never came)") from None
 
 
 def _who(missing: list[int], world: int) -> str:
