@@ -9,8 +9,9 @@ Every run is a fresh process (its own CUDA context and memory peak) at the prese
 128,256, seq 8192, batch 4 (1B) or 1 (8B). The presets run through the Trainer and its real training
 loop (`Trainer.train`, data loader included, checkpoints and TensorBoard off); the peer is
 benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps are timed between two
-device synchronizations; then --profile_steps more are traced with torch.profiler and their GPU time is
-split by kernel name into categories, with `idle` the part of the wall time no kernel or copy ran.
+device synchronizations; then --profile_steps more are traced with torch.profiler, inside one training loop
+(not its first or last step), and the GPU time they queued is split by kernel name into categories, with
+`idle` the part of their GPU window in which no kernel or copy ran.
 
 tok/s, TFLOP/s (6 x parameters + attention, the trainer's formula, the same for every run; and by
 Megatron's count, which halves causal attention, to compare with its tables), MFU
@@ -85,10 +86,36 @@ def category(name: str, cat: str) -> str:
     return "other"
 
 
-def breakdown(trace: Path, wall_us: float, steps: int) -> dict:
-    """ms per step per category, idle ms and busy % from a chrome trace of `steps` steps."""
+LAUNCHES = ("cuda_runtime", "cuda_driver")  # trace categories of the host calls that queue GPU work
+
+
+def breakdown(trace: Path) -> dict:
+    """ms per step per category, idle ms and busy % of the steady steps of a chrome trace.
+
+    The steps are torch.profiler's `ProfilerStep#N` ranges on the host; a kernel or copy belongs to the step
+    whose range queued it (matched by its correlation id). The last traced step is left out: it only keeps
+    the loop running until the GPU has finished the counted ones (the trainer reads a step's values during the
+    next one). The counted steps' GPU window runs from their first kernel's start to their last kernel's end,
+    so a loop's start and end (the host queuing the first kernels, a final synchronization) are not in it."""
     events = json.loads(trace.read_text())["traceEvents"]
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))[:-1]
+    if not steps:
+        raise SystemExit(f"{trace}: fewer than two ProfilerStep ranges; trace at least --profile_steps=1 plus one")
+    queued = {e["args"]["correlation"]: e["ts"] for e in events
+              if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
+
+    def counted(e) -> bool:
+        at = queued.get(e.get("args", {}).get("correlation"))
+        return at is not None and any(a <= at < b for a, b in steps)
+
+    on_gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu = [e for e in on_gpu if counted(e)]
+    n = len(steps)
+    if not on_gpu:  # a run on the CPU: nothing to split
+        return {**{c: 0.0 for c in COLUMNS}, "traced_ms": sum(b - a for a, b in steps) / n / 1e3, "busy_pct": 0.0}
+    if not gpu:
+        raise SystemExit(f"{trace}: none of the GPU work in the trace was queued by the traced steps")
     per = {c: 0.0 for c in COLUMNS}
     spans = []
     for e in gpu:
@@ -100,14 +127,16 @@ def breakdown(trace: Path, wall_us: float, steps: int) -> dict:
             continue
         busy += b - max(a, end)
         end = b
-    per["idle"] = max(wall_us - busy, 0.0)
+    window = max(b for _, b in spans) - min(a for a, _ in spans)
+    per["idle"] = window - busy
     by_name: dict[str, float] = {}
     for e in gpu:
         by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:  # into the run's log
-        print(f"  {us / steps / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
-    out = {c: v / steps / 1e3 for c, v in per.items()}
-    out["busy_pct"] = 100.0 * busy / max(wall_us, 1e-9)
+        print(f"  {us / n / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
+    out = {c: v / n / 1e3 for c, v in per.items()}
+    out["traced_ms"] = window / n / 1e3
+    out["busy_pct"] = 100.0 * busy / window
     return out
 
 
@@ -127,19 +156,16 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
 
 
-def _profile(fn, steps: int, trace: Path) -> tuple[float, dict]:
+def _profile_peer(run, steps: int, trace: Path) -> dict:
+    """Trace `steps` steps of the peer between a lead step and a closing one (see breakdown)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        _sync()
-        t0 = time.perf_counter()
-        fn(steps)
-        _sync()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    prof.export_chrome_trace(str(trace))
-    return wall_us, breakdown(trace, wall_us, steps)
+    with profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=0, active=steps + 1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+        run(steps + 2, each=prof.step)  # its last step reads the loss: the counted steps' GPU work has ended
+    return breakdown(trace)
 
 
 def _timed(fn, warmup: int, steps: int) -> float:
@@ -158,9 +184,14 @@ def child_preset(a, overrides: list[str]) -> dict:
     from titan_te.trainer import Trainer
 
     preset, _, _ = PRESETS[a.size]
-    total = a.warmup + a.steps + a.profile_steps
+    # the traced steps lie inside one training loop, after a lead step and before a closing one (see breakdown)
+    first = a.warmup + a.steps + 2
+    total = first + a.profile_steps
+    traces = Path(a.tmp) / "traces"
     argv = ["--config", preset, f"--training.steps={total}", "--checkpoint.enable=false",
-            "--metrics.enable_tensorboard=false", f"--job.dump_folder={a.tmp}", *a.overrides, *overrides]
+            "--metrics.enable_tensorboard=false", f"--job.dump_folder={a.tmp}", "--profiling.enable_profiling=true",
+            f"--profiling.profile_start={first}", f"--profiling.profile_active={a.profile_steps + 1}",
+            f"--profiling.traces_folder={traces}", *a.overrides, *overrides]
     argv += [f"--training.seq_len={a.seq_len}"] + ([f"--model.n_layers={a.n_layers}"] if a.n_layers else [])
     argv += [f"--model.flavor={a.flavor}"] if a.flavor else []
     cfg, _ = config_mod.load(argv)
@@ -174,7 +205,8 @@ def child_preset(a, overrides: list[str]) -> dict:
 
         step_s = _timed(run, a.warmup, a.steps)
         peak = _peak_gib()
-        _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
+        run(a.profile_steps + 2)
+        parts = breakdown(traces / f"step-{first}" / f"rank{tr.env.rank}.json")
         tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)
         causal = causal_flops_per_token(tr.model_args, cfg.training.seq_len)
         losses = [tr.losses[0], tr.losses[-1]]
@@ -207,16 +239,18 @@ def child_peer(a, opts: dict) -> dict:
     losses: list[float] = []
     done = [0]
 
-    def run(n: int) -> None:
+    def run(n: int, each=None) -> None:
         for i in range(n):
             loss = peer_step(model, opt, tokens, labels)
             done[0] += 1
             if done[0] % 10 == 0 or i == n - 1:  # log steps only: torchtitan reads the loss there
                 losses.append(loss.item())
+            if each is not None:
+                each()
 
     step_s = _timed(run, a.warmup, a.steps)
     peak = _peak_gib()
-    _, parts = _profile(run, a.profile_steps, Path(a.tmp) / "trace.json")
+    parts = _profile_peer(run, a.profile_steps, Path(a.tmp) / "trace.json")
     dist.destroy_process_group()
     return {"step_s": step_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
             "causal_flops_per_token": causal_flops_per_token(args, a.seq_len), "peak_gib": peak, "parts": parts,
@@ -306,12 +340,14 @@ def tables(results: dict[str, dict]) -> str:
         rows.append(f"| {name} | {r['tok_s']:,.0f} | {r['tflops']:.0f} | {r['tflops_causal']:.0f} | "
                     f"{100 * r['tflops'] * 1e12 / PEAK:.1f}% | "
                     f"{r['peak_gib']:.1f} | {ratio} |")
-    rows += ["", "ms per step of one traced step window (kernel time by category; idle: no kernel running)", "",
-             "| run | step ms | " + " | ".join(COLUMNS) + " | GPU busy |",
-             "| --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |"]
+    rows += ["", "ms per step: step ms timed, traced ms of the traced steps (the profiler slows them), split by kernel "
+             "category (idle: no kernel running)", "",
+             "| run | step ms | traced ms | " + " | ".join(COLUMNS) + " | GPU busy |",
+             "| --- | ---: | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |"]
     for name, r in results.items():
         p = r["parts"]
-        rows.append(f"| {name} | {1e3 * r['step_s']:.1f} | " + " | ".join(f"{p[c]:.1f}" for c in COLUMNS)
+        rows.append(f"| {name} | {1e3 * r['step_s']:.1f} | {p['traced_ms']:.1f} | "
+                    + " | ".join(f"{p[c]:.1f}" for c in COLUMNS)
                     + f" | {p['busy_pct']:.1f}% |")
     return "\n".join(rows)
 

@@ -2,31 +2,55 @@
 import json
 import sys
 
+import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import train_bench  # noqa: E402
 
 
-def test_breakdown_sorts_kernels_into_categories_and_counts_idle_once(tmp_path):
-    events = [  # µs; two streams overlap between 40 and 50
-        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_128x256_TNT", "ts": 0, "dur": 40},
-        {"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "ts": 30, "dur": 20},
-        {"ph": "X", "cat": "kernel", "name": "adam_fp8", "ts": 60, "dur": 10},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 70, "dur": 5},
-        {"ph": "X", "cat": "kernel", "name": "elementwise_kernel<gpu_kernel_impl_nocast<CUDAFunctor_add<float>>",
-         "ts": 75, "dur": 5},
-        {"ph": "X", "cat": "kernel", "name": "cast_transpose_fusion_kernel_optimized", "ts": 80, "dur": 10},
+def test_breakdown_counts_the_steady_steps_queued_work_by_category_and_idle_once(tmp_path):
+    """Two counted steps (host ranges 0-100 and 100-200) and the closing one (200-300, left out). GPU work is
+    assigned to the step that queued it (correlation ids); work queued before the first range (the loop's
+    start) or in the closing step is not counted, nor is the time around the counted window."""
+    host = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 100 * i, "dur": 100}
+            for i in range(3)]
+    queued_at = {1: 5, 2: 10, 3: 20, 4: 30, 5: 120, 6: 130, 7: 140, 8: 150, 9: 210, 10: -50}
+    launches = [{"ph": "X", "cat": "cuda_runtime" if c % 2 else "cuda_driver", "name": "cudaLaunchKernel", "ts": t,
+                 "dur": 2, "args": {"correlation": c}} for c, t in queued_at.items()]
+
+    def gpu(c, name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}}
+
+    work = [  # µs on the GPU; two streams overlap between 1040 and 1050
+        gpu(1, "nvjet_sm90_tst_128x256_TNT", 1000, 40),
+        gpu(2, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 1030, 20),
+        gpu(3, "adam_fp8", 1060, 10),
+        gpu(4, "Memcpy DtoD", 1070, 5, cat="gpu_memcpy"),
+        gpu(5, "elementwise_kernel<gpu_kernel_impl_nocast<CUDAFunctor_add<float>>", 1075, 5),
+        gpu(6, "cast_transpose_fusion_kernel_optimized", 1080, 10),
+        gpu(7, "nvjet_sm90_tst_128x256_TNT", 1100, 40),
+        gpu(8, "adam_fp8", 1150, 10),
+        gpu(9, "nvjet_sm90_tst_128x256_TNT", 1160, 500),  # the closing step's
+        gpu(10, "nvjet_sm90_tst_128x256_TNT", 900, 50),  # queued before the traced steps
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},  # host events are not GPU time
     ]
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps({"traceEvents": events}))
-    parts = train_bench.breakdown(trace, wall_us=200.0, steps=2)
-    assert parts["gemm"] == 0.02 and parts["attention"] == 0.01 and parts["optimizer"] == 0.005  # ms per step
+    trace.write_text(json.dumps({"traceEvents": host + launches + work}))
+    parts = train_bench.breakdown(trace)
+    assert parts["gemm"] == 0.04 and parts["attention"] == 0.01 and parts["optimizer"] == 0.01  # ms per step
     assert parts["copies/comm"] == 0.0025 and parts["other"] == 0.0025  # "nocast" is not a cast
     assert parts["cast/transpose"] == 0.005
-    assert parts["idle"] == (200 - 80) / 2 / 1e3  # busy: 0-50, 60-90 (the overlap counted once)
-    assert parts["busy_pct"] == 40.0
+    # window 1000-1160 (160 µs); busy 1000-1050, 1060-1090, 1100-1140, 1150-1160 (the overlap counted once)
+    assert parts["traced_ms"] == 0.08 and parts["idle"] == (160 - 130) / 2 / 1e3
+    assert parts["busy_pct"] == 100 * 130 / 160
+
+
+def test_breakdown_of_a_trace_without_two_steps_says_so(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "ProfilerStep#0", "ts": 0, "dur": 1}]}))
+    with pytest.raises(SystemExit, match="fewer than two ProfilerStep ranges"):
+        train_bench.breakdown(trace)
 
 
 def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_path):
