@@ -105,15 +105,20 @@ def test_the_gpu_script_runs_every_gpu_test_once():
     import subprocess
     import sys
 
-    def collect(files, expr=None):
+    def collect(files, expr=None):  # started at once, read by collected()
         cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
-        out = subprocess.run(cmd + (["-k", expr] if expr else []), cwd=ROOT, capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if "::" in line]
+        return subprocess.Popen(cmd + (["-k", expr] if expr else []), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+
+    def collected(proc):
+        return [line for line in proc.communicate()[0].splitlines() if "::" in line]
 
     script = (ROOT / "scripts" / "test_gpu.sh").read_text()
     groups = re.findall(r"^\w+\(\) \{ group (\w+) ((?:tests/\S+ ?)+)(?:-k \"([^\"]+)\")?; \}", script, re.M)
     assert {g[0] for g in groups} == {"layers", "tracking_1b", "acceptance", "shared_tracking", "shared_state",
                                       "shared_elastic", "shared_memory", "shared_launcher"}
-    selected = [t for _, files, expr in groups for t in collect(files.split(), expr or None)]
-    every = collect(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))
+    runs = [collect(files.split(), expr or None) for _, files, expr in groups]
+    everything = collect(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))
+    selected = [t for proc in runs for t in collected(proc)]
+    every = collected(everything)
     assert len(every) > 40 and sorted(selected) == sorted(every)
