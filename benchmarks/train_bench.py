@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,8 +163,11 @@ def _profile_peer(run, steps: int, trace: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, schedule=schedule(skip_first=1, wait=0, warmup=0, active=steps + 1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+    with warnings.catch_warnings():  # "won't be using warmup": the lead step is left out by breakdown instead
+        warnings.simplefilter("ignore")
+        plan = schedule(skip_first=1, wait=0, warmup=0, active=steps + 1)
+    with profile(activities=activities, schedule=plan, on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) \
+            as prof:
         run(steps + 2, each=prof.step)  # its last step reads the loss: the counted steps' GPU work has ended
     return breakdown(trace)
 
