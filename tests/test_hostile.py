@@ -789,7 +789,6 @@ def test_a_start_up_signal_inside_an_import_waits_for_the_import_to_end(tmp_path
     an Interrupted raised half-way through an import left numpy.linalg half-initialized, and its next use
     recursed into a RecursionError traceback, exit 1 (found by stopping jobs at random moments). The
     interruption now comes once the import has ended: the module is whole, and the line is the same."""
-    import signal
     import sys
     import time
 
