@@ -567,3 +567,19 @@ def test_checkpoints_on_change_no_loss_and_no_optimizer_step(optimizer, tmp_path
         folder = tmp_path / f"on{world}/t/checkpoint/step-4"
         on_disk = sum(f.stat().st_size for f in folder.iterdir())
         assert on[2] == pytest.approx(on_disk, rel=0.05), (on[2], on_disk)
+
+
+@pytest.mark.parametrize("saved, loaded", [
+    ((2, "fsdp"), (4, "hsdp")), ((4, "hsdp"), (2, "ddp")), ((2, "ddp"), (1, "fsdp"))],
+    ids=["fsdp2-hsdp2x2", "hsdp2x2-ddp2", "ddp2-fsdp1"])
+def test_a_checkpoint_resumes_under_another_data_parallel_kind(saved, loaded, tmp_path, reference):
+    """A user who moves a job from one node to two may switch FSDP to HSDP (or to DDP for a small model):
+    the checkpoint of one kind resumes under the other on the batches of the uninterrupted run."""
+    def extra(world, kind):
+        par = {"data_parallel": kind, "data_parallel_replicate_degree": 2 if kind == "hsdp" else 1}
+        return {"parallelism": par, **({"training": {"local_batch_size": 1}} if world == 4 else {})}
+
+    first = run_ranks(_run, saved[0], str(tmp_path), "disabled", HALF, extra(*saved))
+    second = run_ranks(_run, loaded[0], str(tmp_path), "disabled", None, extra(*loaded))
+    assert second[0][0] == HALF
+    assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5)
