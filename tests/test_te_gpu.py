@@ -176,14 +176,14 @@ def test_fp8_attention_refusals_are_one_line(tmp_path):
             _train_head128(0, 1, str(tmp_path / "c"), {**attention, "training.deterministic": True})
 
 
-def _fp8_weights_run(rank, world, tmp, mode, until, exclude=()):
-    """FP8 weights + fused_adam with checkpoints every 6 steps (resuming without the parts in `exclude`);
-    returns (start step, losses)."""
+def _fp8_weights_run(rank, world, tmp, mode, until, exclude=(), fp8=None):
+    """FP8 weights + fused_adam with checkpoints every 6 steps (resuming without the parts in `exclude`, with
+    the [fp8] options in `fp8` changed); returns (start step, losses)."""
     from titan_te.trainer import Trainer
 
     sections = {"training": {"steps": 12, "local_batch_size": 4, "seq_len": 256, "deterministic": True},
                 "model": {"backend": "te"}, "metrics": {"log_freq": 1, "enable_tensorboard": False},
-                "fp8": {"enable": True, "params": True, "recipe": "delayed"},
+                "fp8": {"enable": True, "params": True, "recipe": "delayed", **(fp8 or {})},
                 "optimizer": {"name": "fused_adam", "moment_dtype": "bfloat16"},
                 "checkpoint": {"enable": True, "interval": 6, "async_mode": mode,
                                "exclude_from_loading": list(exclude)}}
@@ -206,6 +206,22 @@ def test_fp8_weight_checkpoint_round_trip_continues_the_losses(mode, tmp_path):
           f"\n worst relative difference {worst:.2e}")
     assert first[1] == ref[:6]
     assert worst < 1e-3  # GPU tolerance: the same kernels, restored FP8 amax history and optimizer state
+
+
+@pytest.mark.parametrize("change", [{"recipe": "current"}, {"params": False}, {"enable": False, "params": False}],
+                         ids=["to-current-scaling", "to-bf16-weights", "to-bf16"])
+def test_an_fp8_checkpoint_resumes_with_another_fp8_setting(change, tmp_path):
+    """A user who switches the recipe, or FP8 weights or FP8 itself off, on a resume: the weights, FP32
+    masters and moments carry over (the FP8 scaling state is the new recipe's own), and the losses go on
+    where the run left them (within 2% of the uninterrupted run: other numerics, not a restart)."""
+    ref = run_ranks(_fp8_weights_run, 1, str(tmp_path / "ref"), "disabled", None)[0][1]
+    first = run_ranks(_fp8_weights_run, 1, str(tmp_path / "run"), "disabled", 6)[0]
+    second = run_ranks(_fp8_weights_run, 1, str(tmp_path / "run"), "disabled", None, (), change)[0]
+    assert first[0] == 0 and second[0] == 6
+    gaps = [abs(a - b) / abs(b) for a, b in zip(second[1], ref[6:])]
+    print(f"{change}: reference {['%.4f' % x for x in ref[6:]]}\n resumed {['%.4f' % x for x in second[1]]}"
+          f"\n relative gaps {' '.join(f'{g:.1e}' for g in gaps)}")
+    assert len(gaps) == 6 and max(gaps) < 2e-2
 
 
 def _optimizer_run(rank, world, tmp, name, moments="float32"):
