@@ -305,3 +305,80 @@ def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterru
     assert sorted(got) == sorted(want) == list(range(1, 41)), schedule
     assert all(got[s] == pytest.approx(want[s], rel=1e-4) for s in want), (schedule, [(s, got[s], want[s])
                                                                                      for s in want])
+
+
+def _nodes(args, port, **env):
+    """Two nodes of one job on this machine (one launcher each, NGPU=1), as a Slurm step starts them."""
+    return [_start(args, NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_PORT=port, **env) for rank in (0, 1)]
+
+
+def test_two_nodes_stop_together_when_one_is_preempted_and_resume_on_the_uninterrupted_losses(tmp_path):
+    """The many-GPU path across nodes: SIGTERM reaches only node 1 (its launcher); the stop vote is shared, so
+    both nodes save the same step and exit 75; the same command on both nodes resumes there, and every step's
+    loss equals a one-node run's of the same two ranks. Then node 1 dies outright (kill -9 of its launcher and
+    workers, as a node failure): node 0 stops in one line, the newest complete checkpoint stays, and the rerun
+    resumes from it."""
+    from helpers import free_port
+
+    steps = 40
+    args = [f"--training.steps={steps}", "--checkpoint.enable=true", "--checkpoint.interval=5",
+            "--checkpoint.async_mode=async", *SMALL]
+    ref = _run([f"--job.dump_folder={tmp_path / 'ref'}", *args], NGPU=2)
+    assert ref.returncode == 0, ref.stderr
+    run = [f"--job.dump_folder={tmp_path / 'run'}", *args]
+
+    # 1. preempted on one node
+    nodes = _nodes(run, free_port())
+    _wait_for(nodes[0], "step      3")
+    nodes[1].send_signal(signal.SIGTERM)
+    outs = [n.communicate(timeout=120) for n in nodes]
+    for n, (out, err) in zip(nodes, outs):
+        assert n.returncode == 75, err
+    head_err = outs[0][1]
+    assert head_err.count("\n") == 1 and head_err.startswith("preempted: stopped by a signal after step "), head_err
+    stopped = int(head_err.split("after step ")[1].split(";")[0])
+    assert f"step-{stopped}" in _steps(tmp_path / "run/debug/checkpoint")
+
+    # 2. the same command on both nodes resumes there; node 1 dies outright a few steps later
+    nodes = _nodes(run, free_port())
+    seen = _wait_for(nodes[0], f"step {stopped + 3:>6}")
+    assert any(f"training from step {stopped + 1}" in line for line in seen), "".join(seen)
+    os.killpg(nodes[1].pid, signal.SIGKILL)
+    out, err = nodes[0].communicate(timeout=180)
+    nodes[1].communicate(timeout=30)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert nodes[0].returncode == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("lost a rank: another rank of this job went away during a collective (") and \
+        lines[1:] == ["launcher: rank 0 failed with exit code 1"], err
+    complete = [int(s.split("-")[1]) for s in _steps(tmp_path / "run/debug/checkpoint")]
+    assert complete and max(complete) >= stopped
+
+    # 3. and the rerun goes to the end
+    nodes = _nodes(run, free_port())
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1] + outs[1][1]
+    assert f"training from step {max(complete) + 1}" in outs[0][0]
+    got, want = _losses(tmp_path / "run"), _losses(tmp_path / "ref")
+    assert sorted(got) == list(range(1, steps + 1))
+    assert all(got[s] == pytest.approx(want[s], rel=1e-6, abs=1e-6) for s in want), (got, want)
+
+
+def test_a_worker_killed_from_outside_is_named_and_the_others_say_they_lost_it(tmp_path):
+    """The kernel's out-of-memory killer (here a kill -9) ends one worker: the launcher names it and the
+    signal, exit 128 + 9; the rank that lost it in a collective says so in one line (its traceback goes to
+    the run's log file) instead of the collective's traceback."""
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", *SMALL]
+    proc = _start(args, NGPU=2)
+    _wait_for(proc, "step      3")
+    rank1 = [w for w in _children(proc.pid) if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{w}/environ").read_bytes()]
+    os.kill(rank1[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err and len(lines) == 2, err
+    assert lines[0].startswith("lost a rank: another rank of this job went away during a collective ("), err
+    assert lines[1] == ("launcher: rank 1 was ended by SIGKILL, which this launcher did not send (usually the "
+                        "kernel's out-of-memory killer when the host runs out of memory, or a kill -9); the other "
+                        "ranks stopped without it")
+    log = (tmp_path / "debug/logs/rank0.log").read_text()
+    assert "Traceback" in log and "Connection" in log  # the collective's traceback, for whoever looks

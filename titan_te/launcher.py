@@ -210,11 +210,29 @@ class Worker:
 
 def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker | None:
     """The worker whose exit code the launcher returns: the first to exit with a documented code (2, 3,
-    4, 5, 75, or 128 + N after the launcher forwarded signal N), else the first to fail; None when all
-    succeeded. Workers the launcher stopped do not count."""
+    4, 5, 75, or 128 + N after the launcher forwarded signal N), else the first ended by a signal nobody
+    forwarded (killed by the kernel or a user: the others then fail for want of it), else the first to fail;
+    None when all succeeded. Workers the launcher stopped do not count."""
     failed = sorted((w for w in workers if w.code and not w.killed), key=lambda w: w.ended_at)
     documented = [w for w in failed if w.code in EXIT_CODES or w.code in expected]
-    return (documented or failed or [None])[0]
+    signalled = [w for w in failed if w.code - 128 in SIGNAL_CAUSES]
+    return (documented or signalled or failed or [None])[0]
+
+
+# the signals that end a worker from outside, with what usually sends them
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "the kernel's out-of-memory killer when the host runs out of memory, or a kill -9",
+    signal.SIGSEGV: "a crash in native code: a driver or a library",
+    signal.SIGBUS: "a crash in native code, or a file mapped into memory that shrank",
+    signal.SIGABRT: "an abort in a library, e.g. a collective's watchdog when another rank stopped answering",
+    signal.SIGTERM: "someone other than this launcher", signal.SIGINT: "someone other than this launcher"}
+
+
+def ended_by(worker: Worker) -> str:
+    """'rank 1 was ended by SIGKILL, which this launcher did not send (usually ...)'."""
+    sig = signal.Signals(worker.code - 128)
+    return (f"rank {worker.rank} was ended by {sig.name}, which this launcher did not send (usually "
+            f"{SIGNAL_CAUSES[sig]}); the other ranks stopped without it")
 
 
 def run(argv: list[str]) -> int:
@@ -267,10 +285,15 @@ def run(argv: list[str]) -> int:
     decider = exit_code(workers, {128 + s for s in received})
     if decider is None:
         return 0
-    if not any(w.shown and w.code == decider.code for w in workers):
-        for line in decider.tail:  # what the deciding rank printed last (its full log is in the run folder)
+    unsent = decider.code - 128 in SIGNAL_CAUSES and decider.code - 128 not in received
+    # what the deciding rank printed last (its full log is in the run folder); not after a SIGKILL, which
+    # leaves it no time for a word of its own
+    if not any(w.shown and w.code == decider.code for w in workers) and decider.code != 128 + signal.SIGKILL:
+        for line in decider.tail:
             say(f"[rank{decider.rank}] {line}")
-    if decider.code not in EXIT_CODES and decider.code - 128 not in received:
+    if unsent:
+        say(f"launcher: {ended_by(decider)}")
+    elif decider.code not in EXIT_CODES and decider.code - 128 not in received:
         say(f"launcher: rank {decider.rank} failed with exit code {decider.code}")
     return decider.code
 

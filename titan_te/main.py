@@ -2,7 +2,8 @@
 
 A user mistake or condition (titan_te.errors.UserError) prints one line on stderr and exits with its
 code: 2 config/data, 3 checkpoint, 4 out of memory, 75 preempted; a stop signal before training
-started is one line too (exit 128 + N). Anything else is a bug: traceback, exit code 1.
+started is one line too (exit 128 + N), and so is a collective that failed because another rank went away
+(exit 1; the traceback goes to the run's log file). Anything else is a bug: traceback, exit code 1.
 """
 from __future__ import annotations
 
@@ -94,9 +95,16 @@ def _train(cfg) -> tuple[int, str | None, bool]:
     """(exit code, the one line for stderr, whether every rank got here in step)."""
     from titan_te.trainer import Trainer
 
+    from titan_te.parallel.dist import lost_rank
+
     try:
         with Trainer(cfg) as trainer:
             trainer.train()
     except UserError as e:
         return e.exit_code, _own_message(e), e.exit_code != 4  # after an out-of-memory ranks may be out of step
+    except RuntimeError as e:
+        lost = lost_rank(e)  # not this rank's failure: one line here, the traceback in the run's log file
+        if lost is None:
+            raise
+        return 1, f"lost a rank: {lost}", False
     return 0, None, True

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -74,6 +75,27 @@ def init_distributed(device_type: str, dims: ParallelDims, timeout_s: int = 1800
                                 timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=world, device=device, dims=dims, mesh=dims.build_mesh(device_type),
                    shared_gpu=share)
+
+
+# what the backends say when the other end of a collective went away (gloo's TCP pairs, NCCL, the TCPStore)
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+             "Connection was likely closed", "NCCL communicator was aborted on rank")
+
+
+def lost_rank(err: BaseException) -> str | None:
+    """The line for a collective that failed because another rank went away (killed, crashed, its node lost);
+    None for any other error. That rank, or its node's launcher, says why; this one only lost it."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(err).split()))  # without gloo's "[.../pair.cc:537]"
+    said = [p for p in PEER_GONE if p in text]
+    if not said:
+        return None
+    end = text.find(". ", text.index(said[0]))  # to the end of the backend's sentence that says it
+    return (f"another rank of this job went away during a collective ({text[:end if end > 0 else 160]}); the "
+            f"launcher of its node "
+            f"says which and why (killed, out of memory, a failed node). Rerunning the command resumes from the "
+            f"newest complete checkpoint")
 
 
 def shutdown(clean: bool = True) -> None:
