@@ -104,7 +104,7 @@ def _train(cfg) -> tuple[int, str | None, bool]:
         return e.exit_code, _own_message(e), e.exit_code != 4  # after an out-of-memory ranks may be out of step
     except RuntimeError as e:
         lost = lost_rank(e)  # not this rank's failure: one line here, the traceback in the run's log file
-        if lost is None:
+        if lost is None or SIGNALS.stop_behind(e) is not None:  # a start-up stop: the other rank stopped too
             raise
         return 1, f"lost a rank: {lost}", False
     return 0, None, True
