@@ -263,7 +263,7 @@ def run(argv: list[str]) -> int:
         w.start_reader()
     first_failure = None
     termed = False
-    while not all(w.poll() for w in workers):
+    while not all([w.poll() for w in workers]):  # every worker polled: when each ended decides who failed first
         time.sleep(0.1)
         for w in workers:
             w.deliver_pending()
@@ -286,11 +286,14 @@ def run(argv: list[str]) -> int:
     if decider is None:
         return 0
     unsent = decider.code - 128 in SIGNAL_CAUSES and decider.code - 128 not in received
-    # what the deciding rank printed last (its full log is in the run folder); not after a SIGKILL, which
-    # leaves it no time for a word of its own
-    if not any(w.shown and w.code == decider.code for w in workers) and decider.code != 128 + signal.SIGKILL:
-        for line in decider.tail:
-            say(f"[rank{decider.rank}] {line}")
+    # what the deciding rank printed last (its full log is in the run folder), unless it is on the console
+    # already: its own output, or a shown rank's line of the same documented error (every rank says that);
+    # not after a SIGKILL, which leaves it no time for a word of its own
+    said = decider.shown or (decider.code in EXIT_CODES and any(w.shown and w.code == decider.code for w in workers))
+    if not said and decider.code != 128 + signal.SIGKILL:
+        tag = f"[rank{decider.rank}]"
+        for line in decider.tail:  # torch tags a traceback's lines "[rankN]:" itself: once is enough
+            say(tag + (line[len(tag) + 1:] if line.startswith(tag + ":") else " " + line))
     if unsent:
         say(f"launcher: {ended_by(decider)}")
     elif decider.code not in EXIT_CODES and decider.code - 128 not in received:

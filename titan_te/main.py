@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from titan_te.errors import Interrupted, UserError, say
 from titan_te.preemption import SIGNALS
 
 logger = logging.getLogger("titan_te")
+LOST_RANK_WAIT_S = 3.0
 
 
 def _own_message(err: UserError) -> str:
@@ -106,5 +108,6 @@ def _train(cfg) -> tuple[int, str | None, bool]:
         lost = lost_rank(e)  # not this rank's failure: one line here, the traceback in the run's log file
         if lost is None or SIGNALS.stop_behind(e) is not None:  # a start-up stop: the other rank stopped too
             raise
+        time.sleep(LOST_RANK_WAIT_S)  # the rank that went away exits first: the launcher reports it, not this one
         return 1, f"lost a rank: {lost}", False
     return 0, None, True
