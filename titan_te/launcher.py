@@ -208,6 +208,15 @@ class Worker:
         return self.code is not None
 
 
+# the signals that end a worker from outside, with what usually sends them
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "the kernel's out-of-memory killer when the host runs out of memory, or a kill -9",
+    signal.SIGSEGV: "a crash in native code: a driver or a library",
+    signal.SIGBUS: "a crash in native code, or a file mapped into memory that shrank",
+    signal.SIGABRT: "an abort in a library, e.g. a collective's watchdog when another rank stopped answering",
+    signal.SIGTERM: "someone other than this launcher", signal.SIGINT: "someone other than this launcher"}
+
+
 def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker | None:
     """The worker whose exit code the launcher returns: the first to exit with a documented code (2, 3,
     4, 5, 75, or 128 + N after the launcher forwarded signal N), else the first ended by a signal nobody
@@ -219,20 +228,11 @@ def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker
     return (documented or signalled or failed or [None])[0]
 
 
-# the signals that end a worker from outside, with what usually sends them
-SIGNAL_CAUSES = {
-    signal.SIGKILL: "the kernel's out-of-memory killer when the host runs out of memory, or a kill -9",
-    signal.SIGSEGV: "a crash in native code: a driver or a library",
-    signal.SIGBUS: "a crash in native code, or a file mapped into memory that shrank",
-    signal.SIGABRT: "an abort in a library, e.g. a collective's watchdog when another rank stopped answering",
-    signal.SIGTERM: "someone other than this launcher", signal.SIGINT: "someone other than this launcher"}
-
-
-def ended_by(worker: Worker) -> str:
+def ended_by(worker: Worker, world: int) -> str:
     """'rank 1 was ended by SIGKILL, which this launcher did not send (usually ...)'."""
     sig = signal.Signals(worker.code - 128)
     return (f"rank {worker.rank} was ended by {sig.name}, which this launcher did not send (usually "
-            f"{SIGNAL_CAUSES[sig]}); the other ranks stopped without it")
+            f"{SIGNAL_CAUSES[sig]})" + ("; the other ranks stopped without it" if world > 1 else ""))
 
 
 def run(argv: list[str]) -> int:
@@ -295,7 +295,7 @@ def run(argv: list[str]) -> int:
         for line in decider.tail:  # torch tags a traceback's lines "[rankN]:" itself: once is enough
             say(tag + (line[len(tag) + 1:] if line.startswith(tag + ":") else " " + line))
     if unsent:
-        say(f"launcher: {ended_by(decider)}")
+        say(f"launcher: {ended_by(decider, plan.world)}")
     elif decider.code not in EXIT_CODES and decider.code - 128 not in received:
         say(f"launcher: rank {decider.rank} failed with exit code {decider.code}")
     return decider.code

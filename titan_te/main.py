@@ -95,9 +95,8 @@ def _main(argv: list[str]) -> int:
 
 def _train(cfg) -> tuple[int, str | None, bool]:
     """(exit code, the one line for stderr, whether every rank got here in step)."""
-    from titan_te.trainer import Trainer
-
     from titan_te.parallel.dist import lost_rank
+    from titan_te.trainer import Trainer
 
     try:
         with Trainer(cfg) as trainer:

@@ -78,7 +78,7 @@ def init_distributed(device_type: str, dims: ParallelDims, timeout_s: int = 1800
 
 
 # what the backends say when the other end of a collective went away (gloo's TCP pairs, NCCL, the TCPStore)
-PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited",
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "remote process exited",
              "Connection was likely closed", "NCCL communicator was aborted on rank")
 
 
@@ -93,9 +93,8 @@ def lost_rank(err: BaseException) -> str | None:
         return None
     end = text.find(". ", text.index(said[0]))  # to the end of the backend's sentence that says it
     return (f"another rank of this job went away during a collective ({text[:end if end > 0 else 160]}); the "
-            f"launcher of its node "
-            f"says which and why (killed, out of memory, a failed node). Rerunning the command resumes from the "
-            f"newest complete checkpoint")
+            f"launcher of its node says which and why (killed, out of memory, a failed node). Rerunning the "
+            f"command resumes from the newest complete checkpoint")
 
 
 def shutdown(clean: bool = True) -> None:
