@@ -387,11 +387,11 @@ def test_a_worker_killed_from_outside_is_named_and_the_others_say_they_lost_it(t
 def test_a_bug_on_one_rank_keeps_its_traceback_on_the_console_and_the_others_only_lost_it(tmp_path):
     """A bug in one rank's code ends it with a traceback; the rank whose collective lost it exits after it,
     so the launcher shows the bug's traceback and names its rank, not the rank that only lost it."""
-    args = [*SMALL, f"--job.dump_folder={tmp_path}", "--job.custom_import=bug_opt", "--optimizer.name=bug_sgd",
+    args = [*SMALL, f"--job.dump_folder={tmp_path}", "--job.custom_import=nan_opt", "--optimizer.name=bug_sgd",
             "--optimizer.bug_sgd.at_step=3", "--training.steps=10"]
     r = _run(args, NGPU=2, PYTHONPATH=f"{ROOT / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     assert r.returncode == 1, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert lines[0].startswith("lost a rank: another rank of this job went away during a collective ("), r.stderr
-    assert "[rank1] ZeroDivisionError: division by zero" in lines and "bug_opt.py" in r.stderr, r.stderr  # its end
+    assert "[rank1] ZeroDivisionError: division by zero" in lines and "nan_opt.py" in r.stderr, r.stderr  # its end
     assert lines[-1] == "launcher: rank 1 failed with exit code 1", r.stderr
