@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,14 +159,13 @@ def _peak_gib() -> float:
 def _profile_peer(run, steps: int, trace: Path) -> dict:
     """Trace `steps` steps of the peer between a lead step and a closing one (see breakdown)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
+
+    from titan_te.profiling import traced_steps
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with warnings.catch_warnings():  # "won't be using warmup": the lead step is left out by breakdown instead
-        warnings.simplefilter("ignore")
-        plan = schedule(skip_first=1, wait=0, warmup=0, active=steps + 1)
-    with profile(activities=activities, schedule=plan, on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) \
-            as prof:
+    with profile(activities=activities, schedule=traced_steps(skip_first=1, active=steps + 1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
         run(steps + 2, each=prof.step)  # its last step reads the loss: the counted steps' GPU work has ended
     return breakdown(trace)
 

@@ -287,9 +287,10 @@ def run(argv: list[str]) -> int:
         return 0
     unsent = decider.code - 128 in SIGNAL_CAUSES and decider.code - 128 not in received
     # what the deciding rank printed last (its full log is in the run folder), unless it is on the console
-    # already: its own output, or a shown rank's line of the same documented error (every rank says that);
-    # not after a SIGKILL, which leaves it no time for a word of its own
-    said = decider.shown or (decider.code in EXIT_CODES and any(w.shown and w.code == decider.code for w in workers))
+    # already: its own output, or a shown rank's line of the same documented error or forwarded signal (every
+    # rank says that); not after a SIGKILL, which leaves it no time for a word of its own
+    every_rank_says = decider.code in EXIT_CODES or decider.code - 128 in received
+    said = decider.shown or (every_rank_says and any(w.shown and w.code == decider.code for w in workers))
     if not said and decider.code != 128 + signal.SIGKILL:
         tag = f"[rank{decider.rank}]"
         for line in decider.tail:  # torch tags a traceback's lines "[rankN]:" itself: once is enough

@@ -34,11 +34,10 @@ def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
             _tell_the_launcher()
             return _main(sys.argv[1:] if argv is None else argv)
         except BaseException as e:  # noqa: BLE001 -- re-raised unless it is the user's stop
-            stop = SIGNALS.stop_behind(e)  # the run's log file keeps the traceback of an error made of it
-            if stop is None:
+            code = SIGNALS.report_stop(e)  # the run's log file keeps the traceback of an error made of it
+            if code is None:
                 raise
-            say(stop.line())
-            return stop.exit_code
+            return code
 
 
 def _tell_the_launcher() -> None:

@@ -100,6 +100,15 @@ class StopSignals:
             return err
         return None if isinstance(err, SystemExit) else self.interrupted
 
+    def report_stop(self, err: BaseException) -> int | None:
+        """For an entry point's last except: says the line of the stop behind `err` and returns its exit code;
+        None when `err` is an error of its own (the caller re-raises it)."""
+        stop = self.stop_behind(err)
+        if stop is None:
+            return None
+        say(stop.line())
+        return stop.exit_code
+
     @contextlib.contextmanager
     def installed(self, for_good: bool = False):
         """Handlers on for the life of an entry point (the main thread only; nested calls share them).

@@ -19,6 +19,13 @@ from titan_te.run_folder import make_folder, why
 logger = logging.getLogger("titan_te")
 
 
+def traced_steps(skip_first: int, active: int):
+    """torch.profiler's schedule that skips `skip_first` steps and traces the next `active`, once."""
+    with warnings.catch_warnings():  # "won't be using warmup": the traced steps are the chosen ones, as set
+        warnings.simplefilter("ignore")
+        return torch.profiler.schedule(skip_first=skip_first, wait=0, warmup=0, active=active, repeat=1)
+
+
 class Profiler:
     def __init__(self, pcfg, run_folder: Path, device: torch.device, rank: int):
         self.cfg, self.device, self.rank = pcfg, device, rank
@@ -50,10 +57,7 @@ class Profiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with warnings.catch_warnings():  # "won't be using warmup": the traced steps are the chosen ones, as set
-            warnings.simplefilter("ignore")
-            schedule = torch.profiler.schedule(skip_first=start - first_step, wait=0, warmup=0,
-                                               active=last - start + 1, repeat=1)
+        schedule = traced_steps(skip_first=start - first_step, active=last - start + 1)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False,
                                             schedule=schedule, on_trace_ready=lambda p: self._write(p, start, last))
         try:

@@ -34,11 +34,10 @@ def run_tool(prefix: str, body: Callable[[], int], exits_after: bool = False) ->
             say(f"{prefix}: {e.msg}" if not e.msg.startswith(f"{prefix}:") else e.msg)
             return 2
         except BaseException as e:  # noqa: BLE001 -- re-raised unless it is the user's stop
-            stop = SIGNALS.stop_behind(e)
-            if stop is None:
+            code = SIGNALS.report_stop(e)
+            if code is None:
                 raise
-            say(stop.line())
-            return stop.exit_code
+            return code
 
 
 def stderr_is_clean() -> None:
