@@ -96,10 +96,13 @@ def breakdown(trace: Path) -> dict:
     whose range queued it (matched by its correlation id). The last traced step is left out: it only keeps
     the loop running until the GPU has finished the counted ones (the trainer reads a step's values during the
     next one). The counted steps' GPU window runs from their first kernel's start to their last kernel's end,
-    so a loop's start and end (the host queuing the first kernels, a final synchronization) are not in it."""
+    so a loop's start and end (the host queuing the first kernels, a final synchronization) are not in it.
+    Kineto writes each ProfilerStep range twice, on the host and (category gpu_user_annotation) on the GPU
+    row; only the host's count."""
     events = json.loads(trace.read_text())["traceEvents"]
-    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#"))[:-1]
+    steps = sorted((e["ts"], e["ts"] + e["dur"]) for e in events  # the host's ranges: the GPU row repeats them
+                   if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+                   and not str(e.get("cat", "")).startswith("gpu_"))[:-1]
     if not steps:
         raise SystemExit(f"{trace}: fewer than two ProfilerStep ranges; trace at least --profile_steps=1 plus one")
     queued = {e["args"]["correlation"]: e["ts"] for e in events
@@ -208,7 +211,11 @@ def child_preset(a, overrides: list[str]) -> dict:
         step_s = _timed(run, a.warmup, a.steps)
         peak = _peak_gib()
         run(a.profile_steps + 2)
-        parts = breakdown(traces / f"step-{first}" / f"rank{tr.env.rank}.json")
+        try:
+            parts = breakdown(traces / f"step-{first}" / f"rank{tr.env.rank}.json")
+        except SystemExit as e:  # older code (a *_before run) may trace other steps: its speed still counts
+            print(f"no breakdown: {e}", flush=True)
+            parts = {}
         tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)
         causal = causal_flops_per_token(tr.model_args, cfg.training.seq_len)
         losses = [tr.losses[0], tr.losses[-1]]
@@ -348,6 +355,9 @@ def tables(results: dict[str, dict]) -> str:
              "| --- | ---: | ---: | " + " | ".join("---:" for _ in COLUMNS) + " | ---: |"]
     for name, r in results.items():
         p = r["parts"]
+        if not p:
+            rows.append(f"| {name} | {1e3 * r['step_s']:.1f} |" + " n/a |" * (len(COLUMNS) + 2))
+            continue
         rows.append(f"| {name} | {1e3 * r['step_s']:.1f} | {p['traced_ms']:.1f} | "
                     + " | ".join(f"{p[c]:.1f}" for c in COLUMNS)
                     + f" | {p['busy_pct']:.1f}% |")

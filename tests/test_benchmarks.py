@@ -15,6 +15,7 @@ def test_breakdown_counts_the_steady_steps_queued_work_by_category_and_idle_once
     start) or in the closing step is not counted, nor is the time around the counted window."""
     host = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 100 * i, "dur": 100}
             for i in range(3)]
+    host += [{**r, "cat": "gpu_user_annotation", "ts": r["ts"] + 1000} for r in host]  # kineto's GPU-row copies
     queued_at = {1: 5, 2: 10, 3: 20, 4: 30, 5: 120, 6: 130, 7: 140, 8: 150, 9: 210, 10: -50}
     launches = [{"ph": "X", "cat": "cuda_runtime" if c % 2 else "cuda_driver", "name": "cudaLaunchKernel", "ts": t,
                  "dur": 2, "args": {"correlation": c}} for c, t in queued_at.items()]
