@@ -9,7 +9,9 @@ Every run is a fresh process (its own CUDA context and memory peak) at the prese
 128,256, seq 8192, batch 4 (1B) or 1 (8B). The presets run through the Trainer and its real training
 loop (`Trainer.train`, data loader included, checkpoints and TensorBoard off); the peer is
 benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps are timed between two
-device synchronizations; then --profile_steps more are traced with torch.profiler, inside one training loop
+device synchronizations, less the fixed work of a loop call that trains no step (the trainer's end of a
+loop: the finiteness check of weights and optimizer state that also precedes every save; the peer has
+none), which the run's line prints as "per call"; then --profile_steps more are traced with torch.profiler, inside one training loop
 (not its first or last step), and the GPU time they queued is split by kernel name into categories, with
 `idle` the part of their GPU window in which no kernel or copy ran.
 
@@ -173,13 +175,18 @@ def _profile_peer(run, steps: int, trace: Path) -> dict:
     return breakdown(trace)
 
 
-def _timed(fn, warmup: int, steps: int) -> float:
+def _timed(fn, warmup: int, steps: int) -> tuple[float, float]:
+    """(seconds per step, seconds of a call of fn that runs no step): the second is taken out of the first."""
+    def wall(n: int) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        fn(n)
+        _sync()
+        return time.perf_counter() - t0
+
     fn(warmup)
-    _sync()
-    t0 = time.perf_counter()
-    fn(steps)
-    _sync()
-    return (time.perf_counter() - t0) / steps
+    fixed = wall(0)
+    return (wall(steps) - fixed) / steps, fixed
 
 
 def child_preset(a, overrides: list[str]) -> dict:
@@ -208,7 +215,7 @@ def child_preset(a, overrides: list[str]) -> dict:
             done[0] += n
             tr.train(until_step=done[0])
 
-        step_s = _timed(run, a.warmup, a.steps)
+        step_s, call_s = _timed(run, a.warmup, a.steps)
         peak = _peak_gib()
         run(a.profile_steps + 2)
         try:
@@ -219,7 +226,8 @@ def child_preset(a, overrides: list[str]) -> dict:
         tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)
         causal = causal_flops_per_token(tr.model_args, cfg.training.seq_len)
         losses = [tr.losses[0], tr.losses[-1]]
-    return {"step_s": step_s, "tokens": tokens, "flops_per_token": flops, "causal_flops_per_token": causal,
+    return {"step_s": step_s, "call_s": call_s, "tokens": tokens, "flops_per_token": flops,
+            "causal_flops_per_token": causal,
             "peak_gib": peak, "parts": parts, "losses": losses}
 
 
@@ -257,11 +265,11 @@ def child_peer(a, opts: dict) -> dict:
             if each is not None:
                 each()
 
-    step_s = _timed(run, a.warmup, a.steps)
+    step_s, call_s = _timed(run, a.warmup, a.steps)
     peak = _peak_gib()
     parts = _profile_peer(run, a.profile_steps, Path(a.tmp) / "trace.json")
     dist.destroy_process_group()
-    return {"step_s": step_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
+    return {"step_s": step_s, "call_s": call_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
             "causal_flops_per_token": causal_flops_per_token(args, a.seq_len), "peak_gib": peak, "parts": parts,
             "losses": [losses[0], losses[-1]]}
 
@@ -336,7 +344,8 @@ def run_child(name: str, a, gpus: int = 1) -> dict | None:
     res["tflops"] = res["tok_s"] * res["flops_per_token"] / 1e12
     res["tflops_causal"] = res["tok_s"] * res["causal_flops_per_token"] / 1e12
     print(f"{name}: {res['tok_s']:,.0f} tok/s, {res['tflops']:.0f} TFLOP/s, peak {res['peak_gib']:.1f} GiB, "
-          f"loss {res['losses'][0]:.3f} -> {res['losses'][1]:.3f} ({res['wall_s']:.0f} s)", flush=True)
+          f"loss {res['losses'][0]:.3f} -> {res['losses'][1]:.3f}, {1e3 * res['call_s']:.0f} ms per call "
+          f"({res['wall_s']:.0f} s)", flush=True)
     return res
 
 
@@ -385,6 +394,9 @@ def main() -> int:
                                                         "tokens/s per GPU and the scaling efficiency against 1 GPU")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.warmup < 1 or a.steps < 1:
+        print("train_bench: --warmup and --steps must be at least 1", file=sys.stderr)
+        return 2
     if a.child:
         return child(a)
     unknown = [n for n in a.runs.split(",") if n not in RUNS]
