@@ -139,10 +139,65 @@ def breakdown(trace: Path) -> dict:
         by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:  # into the run's log
         print(f"  {us / n / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
+    print_callers(events, gpu, n)
     out = {c: v / n / 1e3 for c, v in per.items()}
     out["traced_ms"] = window / n / 1e3
     out["busy_pct"] = 100.0 * busy / window
     return out
+
+
+HOST_OPS = ("cpu_op", "user_annotation")  # trace categories of the host ranges a launch can lie in
+TRACED_TO_HOST = ("cast/transpose", "copies/comm", "other")  # categories whose kernels print_callers explains
+
+
+def host_chains(events: list) -> dict:
+    """For each launch's correlation id: the host ops open around it on its thread, outermost first (the
+    ProfilerStep range left out), each as 'name' or, for the innermost, 'name [input types and dims]' (traces
+    recorded with record_shapes carry them)."""
+    per_thread: dict = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in HOST_OPS and not str(e.get("name", "")).startswith("ProfilerStep#"):
+            per_thread.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], 0, e))
+        elif e.get("cat") in LAUNCHES and "correlation" in e.get("args", {}):
+            per_thread.setdefault((e.get("pid"), e.get("tid")), []).append((e["ts"], 1, e))
+    chains = {}
+    for items in per_thread.values():
+        stack: list = []
+        for ts, is_launch, e in sorted(items, key=lambda x: (x[0], x[1], -x[2].get("dur", 0))):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= ts:
+                stack.pop()
+            if not is_launch:
+                stack.append(e)
+                continue
+            names = [op["name"] for op in stack]
+            if stack:
+                args = stack[-1].get("args", {})
+                shapes = ", ".join(f"{t} {d}" for t, d in zip(args.get("Input type", []), args.get("Input Dims", []))
+                                   if d)
+                names[-1] += f" [{shapes}]" if shapes else ""
+            chains[e["args"]["correlation"]] = names
+    return chains
+
+
+def print_callers(events: list, gpu: list, n: int, kernels: int = 6, chains_each: int = 3) -> None:
+    """Into the run's log: for the biggest kernels outside GEMM and attention, the host op chains that
+    queued them (its innermost three ops) and their ms per step: where a copy or a cast comes from."""
+    chains = host_chains(events)
+    by_kernel: dict[str, dict[str, float]] = {}
+    for e in gpu:
+        name = e.get("name", "")
+        if category(name, e["cat"]) not in TRACED_TO_HOST:
+            continue
+        chain = " > ".join(chains.get(e.get("args", {}).get("correlation"), [])[-3:]) or "(no host op)"
+        per = by_kernel.setdefault(name, {})
+        per[chain] = per.get(chain, 0.0) + e["dur"]
+    top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1].values()))[:kernels]
+    for name, per in top:
+        print(f"  queued by, for {sum(per.values()) / n / 1e3:.2f} ms of {name[:100]}:")
+        for chain, us in sorted(per.items(), key=lambda kv: -kv[1])[:chains_each]:
+            print(f"      {us / n / 1e3:8.2f} ms  {chain[:300]}")
 
 
 # ------------------------------------------------------------------------------------------------

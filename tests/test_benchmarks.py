@@ -92,3 +92,30 @@ def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
     assert len(curves["bf16"]) == 8 and curves["bf16"] == curves["fp8"] and curves["bf16"][-1] < curves["bf16"][0]
     assert "| 1-4 |" in r.stdout and "| 5-8 |" in r.stdout and "+0.00%" in r.stdout
     assert "mean over the last 2 steps: bf16" in r.stdout
+
+
+def test_breakdown_names_the_host_ops_that_queued_the_copies(tmp_path, capsys):
+    """A copy kernel is traced back to the host ops open around its launch on the launching thread (the
+    autograd thread's too), innermost with its input types and shapes; GEMMs are not explained."""
+    step = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 1000 * i, "dur": 1000,
+             "pid": 1, "tid": 1} for i in range(2)]
+    ops = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::to", "ts": 100, "dur": 50, "pid": 1, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 110, "dur": 30, "pid": 1, "tid": 1,
+         "args": {"Input type": ["float", "c10::BFloat16", "Scalar"], "Input Dims": [[8, 4], [8, 4], []]}},
+        {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: SliceBackward0", "ts": 300,
+         "dur": 100, "pid": 1, "tid": 2},
+    ]
+    launches = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 2, "pid": 1,
+                 "tid": tid, "args": {"correlation": c}} for c, t, tid in [(1, 120, 1), (2, 350, 2), (3, 500, 1)]]
+    work = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}}
+            for c, name, ts, dur in [(1, "direct_copy_kernel_cuda", 2000, 30), (2, "direct_copy_kernel_cuda", 2040, 10),
+                                     (3, "nvjet_sm90_tst_128x256_TNT", 2060, 100)]]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": step + ops + launches + work}))
+    train_bench.breakdown(trace)
+    out = capsys.readouterr().out
+    assert "queued by, for 0.04 ms of direct_copy_kernel_cuda:" in out, out
+    assert "0.03 ms  aten::to > aten::copy_ [float [8, 4], c10::BFloat16 [8, 4]]" in out, out
+    assert "0.01 ms  autograd::engine::evaluate_function: SliceBackward0" in out, out
+    assert "queued by, for 0.10 ms of nvjet" not in out
