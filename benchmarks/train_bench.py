@@ -11,9 +11,9 @@ loop (`Trainer.train`, data loader included, checkpoints and TensorBoard off); t
 benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps are timed between two
 device synchronizations, less the fixed work of a loop call that trains no step (the trainer's end of a
 loop: the finiteness check of weights and optimizer state that also precedes every save; the peer has
-none), which the run's line prints as "per call"; then --profile_steps more are traced with torch.profiler, inside one training loop
-(not its first or last step), and the GPU time they queued is split by kernel name into categories, with
-`idle` the part of their GPU window in which no kernel or copy ran.
+none), which the run's line prints as "per call"; then --profile_steps more are traced with
+torch.profiler, inside one training loop (not its first or last step), and the GPU time they queued is
+split by kernel name into categories, with `idle` the part of their GPU window in which no kernel or copy ran.
 
 tok/s, TFLOP/s (6 x parameters + attention, the trainer's formula, the same for every run; and by
 Megatron's count, which halves causal attention, to compare with its tables), MFU
@@ -282,8 +282,7 @@ def child_preset(a, overrides: list[str]) -> dict:
         causal = causal_flops_per_token(tr.model_args, cfg.training.seq_len)
         losses = [tr.losses[0], tr.losses[-1]]
     return {"step_s": step_s, "call_s": call_s, "tokens": tokens, "flops_per_token": flops,
-            "causal_flops_per_token": causal,
-            "peak_gib": peak, "parts": parts, "losses": losses}
+            "causal_flops_per_token": causal, "peak_gib": peak, "parts": parts, "losses": losses}
 
 
 def child_peer(a, opts: dict) -> dict:
@@ -324,7 +323,8 @@ def child_peer(a, opts: dict) -> dict:
     peak = _peak_gib()
     parts = _profile_peer(run, a.profile_steps, Path(a.tmp) / "trace.json")
     dist.destroy_process_group()
-    return {"step_s": step_s, "call_s": call_s, "tokens": batch * a.seq_len, "flops_per_token": args.flops_per_token(a.seq_len),
+    return {"step_s": step_s, "call_s": call_s, "tokens": batch * a.seq_len,
+            "flops_per_token": args.flops_per_token(a.seq_len),
             "causal_flops_per_token": causal_flops_per_token(args, a.seq_len), "peak_gib": peak, "parts": parts,
             "losses": [losses[0], losses[-1]]}
 

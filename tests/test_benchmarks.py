@@ -109,7 +109,8 @@ def test_breakdown_names_the_host_ops_that_queued_the_copies(tmp_path, capsys):
     launches = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 2, "pid": 1,
                  "tid": tid, "args": {"correlation": c}} for c, t, tid in [(1, 120, 1), (2, 350, 2), (3, 500, 1)]]
     work = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}}
-            for c, name, ts, dur in [(1, "direct_copy_kernel_cuda", 2000, 30), (2, "direct_copy_kernel_cuda", 2040, 10),
+            for c, name, ts, dur in [(1, "direct_copy_kernel_cuda", 2000, 30),
+                                     (2, "direct_copy_kernel_cuda", 2040, 10),
                                      (3, "nvjet_sm90_tst_128x256_TNT", 2060, 100)]]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": step + ops + launches + work}))
