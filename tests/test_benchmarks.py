@@ -80,7 +80,7 @@ def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_p
 def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
     """The loss check's mechanics on the CPU: two runs of the debug job through ./run_train.sh (the `fp8` run is
     the preset unchanged, which on the debug job means no FP8), curves read back from metrics.jsonl; the same
-    seed gives the same curve, so every gap is zero."""
+    seed gives the same curve, so every gap is zero (to 1e-5)."""
     import subprocess
 
     out = tmp_path / "loss.md"
@@ -89,7 +89,9 @@ def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     curves = json.loads(out.with_suffix(".json").read_text())
-    assert len(curves["bf16"]) == 8 and curves["bf16"] == curves["fp8"] and curves["bf16"][-1] < curves["bf16"][0]
+    # the same job twice: equal up to the CPU's float reductions (1e-7 relative seen when another process ran)
+    assert len(curves["bf16"]) == 8 and curves["bf16"] == pytest.approx(curves["fp8"], rel=1e-5)
+    assert curves["bf16"][-1] < curves["bf16"][0]
     assert "| 1-4 |" in r.stdout and "| 5-8 |" in r.stdout and "+0.00%" in r.stdout
     assert "mean over the last 2 steps: bf16" in r.stdout
 
