@@ -162,3 +162,24 @@ def test_a_broken_transformer_engine_is_one_line_not_a_silent_slow_path(tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="Transformer Engine is installed but cannot be loaded .OSError: libcudart"):
         fused_adam._te_kernels()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["fp32 weight", "bf16 weight", "moment", "step"])
+def test_the_training_state_check_finds_one_bad_value_anywhere(bad, where):
+    """training_state_finite (before every save and at a loop's end) finds a single NaN, +inf or -inf in any
+    weight's or optimizer state's tensor, whatever its dtype, and passes a finite state with an empty shard."""
+    from titan_te.train_utils import training_state_finite
+
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 32), "b": torch.nn.Linear(32, 8).to(torch.bfloat16)})
+    model.register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))  # an FSDP2 shard can be empty
+    opt = torch.optim.AdamW(model.parameters())
+    model["a"](torch.randn(2, 64)).sum().backward()
+    model["b"](torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    assert training_state_finite(model, opt)
+    target = {"fp32 weight": model["a"].weight, "bf16 weight": model["b"].weight,
+              "moment": opt.state[model["a"].weight]["exp_avg_sq"], "step": opt.state[model["b"].bias]["step"]}[where]
+    with torch.no_grad():
+        target.view(-1)[target.numel() // 2] = bad
+    assert not training_state_finite(model, opt)
