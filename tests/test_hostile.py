@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import entries
+from helpers import entries, free_port
 
 from conftest import ROOT
 
@@ -1090,7 +1090,7 @@ def test_a_head_node_whose_peer_never_joins_names_it_within_the_rendezvous_timeo
     t0 = time.monotonic()
     r = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=_env(NNODES=2, NODE_RANK=0, NGPU=1, MASTER_PORT=_free_port()))
+                       env=_env(NNODES=2, NODE_RANK=0, NGPU=1, MASTER_PORT=free_port()))
     _one_line(r.stderr, 2, r.returncode, "config error: ", "node 1 of 2 (rank 1) did not join rank 0")
     assert "within 3 s (parallelism.rendezvous_timeout_s)" in r.stderr and time.monotonic() - t0 < 60
 
@@ -1102,7 +1102,7 @@ def test_two_nodes_given_one_node_rank_are_refused_in_one_line_each(tmp_path):
 
     from test_launcher import _env
 
-    port = _free_port()
+    port = free_port()
     common = [f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=8", "--job.name=twins"]
 
     def node(rank):
@@ -1136,7 +1136,7 @@ def test_a_rank_that_arrives_at_a_running_jobs_port_is_refused_in_one_line(tmp_p
 
     from test_launcher import _env
 
-    port = _free_port()
+    port = free_port()
     job = ["--training.steps=400", "--checkpoint.enable=false", "--metrics.log_freq=1"]
     first = [subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path / 'a'}", *job], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -1180,12 +1180,6 @@ def test_stale_or_wrong_rendezvous_variables_are_one_line(env, fragment, tmp_pat
                         "--parallelism.rendezvous_timeout_s=2"], capture_output=True, text=True, timeout=120,
                        env=_env(**env))
     _one_line(r.stderr, 2, r.returncode, "config error: ", fragment)
-
-
-def _free_port() -> int:
-    from helpers import free_port
-
-    return free_port()
 
 
 # --- round 2: the run folder's own files ------------------------------------------------------------------

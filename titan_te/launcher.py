@@ -223,9 +223,20 @@ def exit_code(workers: list[Worker], expected: set[int] = frozenset()) -> Worker
     forwarded (killed by the kernel or a user: the others then fail for want of it), else the first to fail;
     None when all succeeded. Workers the launcher stopped do not count."""
     failed = sorted((w for w in workers if w.code and not w.killed), key=lambda w: w.ended_at)
-    documented = [w for w in failed if w.code in EXIT_CODES or w.code in expected]
-    signalled = [w for w in failed if w.code - 128 in SIGNAL_CAUSES]
+    documented = [w for w in failed if every_rank_says(w.code, expected)]
+    signalled = [w for w in failed if unsent_signal(w.code, expected)]
     return (documented or signalled or failed or [None])[0]
+
+
+def every_rank_says(code: int, forwarded: set[int]) -> bool:
+    """Whether an exit code's line is one every rank prints itself: a documented error, or 128 + N after the
+    launcher forwarded signal N."""
+    return code in EXIT_CODES or code in forwarded
+
+
+def unsent_signal(code: int, forwarded: set[int]) -> bool:
+    """Whether a worker was ended by a signal from outside (the kernel, a user), not one the launcher sent."""
+    return not every_rank_says(code, forwarded) and code - 128 in SIGNAL_CAUSES
 
 
 def ended_by(worker: Worker, world: int) -> str:
@@ -282,24 +293,28 @@ def run(argv: list[str]) -> int:
         elif waited > GRACE_S + TERM_S:
             for w in alive:
                 w.proc.kill()
-    decider = exit_code(workers, {128 + s for s in received})
-    if decider is None:
-        return 0
-    unsent = decider.code - 128 in SIGNAL_CAUSES and decider.code - 128 not in received
-    # what the deciding rank printed last (its full log is in the run folder), unless it is on the console
-    # already: its own output, or a shown rank's line of the same documented error or forwarded signal (every
-    # rank says that); not after a SIGKILL, which leaves it no time for a word of its own
-    every_rank_says = decider.code in EXIT_CODES or decider.code - 128 in received
-    said = decider.shown or (every_rank_says and any(w.shown and w.code == decider.code for w in workers))
+    forwarded = {128 + s for s in received}
+    decider = exit_code(workers, forwarded)
+    if decider is not None:
+        _report(decider, workers, forwarded, plan.world)
+    return decider.code if decider is not None else 0
+
+
+def _report(decider: Worker, workers: list[Worker], forwarded: set[int], world: int) -> None:
+    """The console's last lines for a failed job: what the deciding rank printed last (its full log is in the
+    run folder) unless it is on the console already (its own output, or a shown rank's line of the same
+    documented error or forwarded signal, which every rank says), never after a SIGKILL, which leaves it no time
+    for a word of its own; then the launcher's line when no rank's line explains the exit."""
+    said = decider.shown or (every_rank_says(decider.code, forwarded)
+                             and any(w.shown and w.code == decider.code for w in workers))
     if not said and decider.code != 128 + signal.SIGKILL:
         tag = f"[rank{decider.rank}]"
         for line in decider.tail:  # torch tags a traceback's lines "[rankN]:" itself: once is enough
             say(tag + (line[len(tag) + 1:] if line.startswith(tag + ":") else " " + line))
-    if unsent:
-        say(f"launcher: {ended_by(decider, plan.world)}")
-    elif decider.code not in EXIT_CODES and decider.code - 128 not in received:
+    if unsent_signal(decider.code, forwarded):
+        say(f"launcher: {ended_by(decider, world)}")
+    elif not every_rank_says(decider.code, forwarded):
         say(f"launcher: rank {decider.rank} failed with exit code {decider.code}")
-    return decider.code
 
 
 def main(argv: list[str] | None = None) -> int:
