@@ -105,6 +105,34 @@ def test_launcher_environment_mistakes_are_one_line(tmp_path):
             assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith(start), (env, r.stderr)
 
 
+def test_a_node_without_a_gpu_driver_counts_no_gpus_without_importing_torch():
+    code = ("import sys; from titan_te.launcher import Plan, GPU_DRIVER_FILES; import os; "
+            "assert not any(os.path.exists(f) for f in GPU_DRIVER_FILES), 'a GPU driver is here'; "
+            "plan = Plan({}); print(plan.nproc, 'torch' in sys.modules)")
+    r = subprocess.run(["python3", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == 0 and r.stdout.split() == ["1", "False"], r.stderr
+
+
+def test_the_workers_exit_waits_for_threads_runs_exit_handlers_flushes_and_keeps_the_code(tmp_path):
+    """train.py ends with titan_te.main.leave: it skips only Python's teardown of the modules."""
+    code = f"""
+import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from titan_te.main import leave
+pool = ThreadPoolExecutor(1); pool.submit(time.sleep, 0)  # an idle worker thread, ended by the exit
+def late():
+    time.sleep(0.5)
+    open({str(tmp_path / "thread")!r}, "w").write("done")
+threading.Thread(target=late).start()
+atexit.register(lambda: open({str(tmp_path / "atexit")!r}, "w").write("ran"))
+sys.stdout.write("no newline, still shown")
+leave(3)
+"""
+    r = subprocess.run(["python3", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=_env())
+    assert r.returncode == 3 and r.stdout == "no newline, still shown", r.stderr
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"
+
+
 def test_bare_preset_name_resolves_with_or_without_toml(tmp_path):
     for name in ("debug", "debug.toml"):
         r = _run(["--config", name, "--print-config"])

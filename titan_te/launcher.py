@@ -54,7 +54,12 @@ def _int_env(name: str, default: int, minimum: int) -> int:
     return value
 
 
+GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
+
+
 def _visible_gpus() -> int:
+    if not any(os.path.exists(f) for f in GPU_DRIVER_FILES):
+        return 0  # no GPU driver on this node: no need to import torch (a second of start-up) to count none
     try:
         import torch
 

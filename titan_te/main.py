@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from typing import NoReturn
 
 from titan_te.errors import Interrupted, UserError, say
 from titan_te.preemption import SIGNALS
@@ -38,6 +39,30 @@ def main(argv: list[str] | None = None, exits_after: bool = False) -> int:
             if code is None:
                 raise
             return code
+
+
+def leave(code: int) -> NoReturn:
+    """End the process (train.py's last act) as an exit does, less its final collection of every module.
+
+    The other threads are waited for and the atexit handlers run, as at any exit; then the process ends without
+    tearing down the imported modules, which took 0.5 to 1.4 s per process with torch loaded on a 2-core CPU.
+    Nothing of ours waits for that teardown: every file this package writes is on disk line by line (a kill -9
+    loses nothing), and the process group is gone. Where Python lacks the two calls, it is a plain exit."""
+    import atexit
+    import threading
+
+    shutdown_threads = getattr(threading, "_shutdown", None)  # what an exit calls first: joins the threads
+    run_exit_functions = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown_threads is None or run_exit_functions is None:
+        sys.exit(code)
+    shutdown_threads()
+    run_exit_functions()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed console (EIO, EPIPE): nothing left to say there
+            pass
+    os._exit(code)
 
 
 def _tell_the_launcher() -> None:
