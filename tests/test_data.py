@@ -63,7 +63,7 @@ def test_files_dataset_reads_txt_jsonl_json_and_parquet_with_bos_eos(tmp_path):
     assert (only_jsonl.shards[0] == tok.bos_id).sum() == 2
 
 
-def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_path):
+def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_path, capsys):
     from titan_te.data import TOKENIZERS
     from titan_te.data.tokenizers import padded_vocab
 
@@ -71,17 +71,15 @@ def test_hf_tokenizer_json_sets_vocab_and_special_tokens(hf_tokenizer_file, tmp_
     assert tok.bos_id == 1 and tok.eos_id == 2 and 300 <= tok.vocab_size <= 400
     assert tok.decode(tok.encode(DOCS[0])) == DOCS[0]
     assert padded_vocab(tok.vocab_size) % 64 == 0 and padded_vocab(tok.vocab_size) >= tok.vocab_size
-    out = _two_steps_with(tmp_path, "hf", hf_tokenizer_file)
+    out = _two_steps_with(tmp_path, capsys, "hf", hf_tokenizer_file)
     assert f"vocab {padded_vocab(tok.vocab_size)}" in out and "step      2" in out
 
 
-def _two_steps_with(tmp_path, tokenizer: str, path) -> str:
+def _two_steps_with(tmp_path, capsys, tokenizer: str, path) -> str:
     """Two training steps on a written corpus with that tokenizer; returns stdout."""
     corpus = write_corpus(tmp_path / "c")
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", "--training.steps=2",
-                        "--training.seq_len=16", "--training.local_batch_size=2", "--data.dataset=files",
-                        f"--data.path={corpus}", f"--data.tokenizer={tokenizer}", f"--data.tokenizer_path={path}",
-                        "--metrics.log_freq=1"], capture_output=True, text=True, timeout=300)
+    r = _train(tmp_path, capsys, "--data.dataset=files", f"--data.path={corpus}", f"--data.tokenizer={tokenizer}",
+               f"--data.tokenizer_path={path}", "--metrics.log_freq=1")
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
@@ -95,7 +93,7 @@ def _tiktoken_file(path):
     return path, len(tokens)
 
 
-def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
+def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path, capsys):
     from titan_te.data import TOKENIZERS
 
     path, ranks = _tiktoken_file(tmp_path / "tokenizer.model")
@@ -105,7 +103,7 @@ def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
     assert ranks - 2 in ids.tolist() and ids.max() < ranks  # " the" merged; never a special id from text
     assert tok.decode(ids) == "the other theme"
     assert [t.tolist() for t in tok.encode_batch(["the", "in"])] == [[ranks - 5], [ranks - 4]]
-    out = _two_steps_with(tmp_path, "tiktoken", path)
+    out = _two_steps_with(tmp_path, capsys, "tiktoken", path)
     assert "tokenizer tiktoken (vocab 519)" in out and "step      2" in out
 
 
@@ -117,11 +115,11 @@ def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path):
     ("".join(f"{__import__('base64').b64encode(bytes([i])).decode()} {i * 2}\n" for i in range(256)),
      "its 256 ranks are not the ids 0 to 255, each once"),
 ], ids=["empty", "not-byte-level", "sparse-ids"])
-def test_a_tiktoken_file_tiktoken_would_misread_is_one_line(lines, fragment, tmp_path):
+def test_a_tiktoken_file_tiktoken_would_misread_is_one_line(lines, fragment, tmp_path, capsys):
     pytest.importorskip("tiktoken")
     path = tmp_path / "tokenizer.model"
     path.write_text(lines)
-    _assert_config_error(_train(tmp_path, "--data.tokenizer=tiktoken", f"--data.tokenizer_path={path}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.tokenizer=tiktoken", f"--data.tokenizer_path={path}"),
                          f"data.tokenizer_path: {path}", fragment)
 
 
@@ -131,7 +129,7 @@ def test_a_tiktoken_file_tiktoken_would_misread_is_one_line(lines, fragment, tmp
     # dropped every character but 'a' without a word: the run trained (exit 0) on almost nothing of the text
     ("bpe", "drops 93 plain ASCII characters it has no token for"),
 ])
-def test_a_tokenizer_without_an_unknown_token_is_one_line(model, fragment, tmp_path):
+def test_a_tokenizer_without_an_unknown_token_is_one_line(model, fragment, tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"<s>": 0, "</s>": 1, "a": 2}
@@ -139,7 +137,7 @@ def test_a_tokenizer_without_an_unknown_token_is_one_line(model, fragment, tmp_p
                     models.BPE(vocab, [], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    _assert_config_error(_train(tmp_path, "--data.tokenizer=hf", f"--data.tokenizer_path={tmp_path}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.tokenizer=hf", f"--data.tokenizer_path={tmp_path}"),
                          f"data.tokenizer_path: {tmp_path / 'tokenizer.json'}", fragment)
 
 
@@ -223,10 +221,17 @@ def test_global_batch_is_the_same_sequences_for_one_or_two_ranks():
         assert single == split
 
 
-def _train(tmp_path, *args):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}",
-                           "--training.steps=2", "--training.seq_len=16", "--training.local_batch_size=2", *args],
-                          capture_output=True, text=True, timeout=300)
+def _train(tmp_path, capsys, *args) -> subprocess.CompletedProcess:
+    """train.py's main in this process (each start of a process imported torch, and datasets, again): its
+    exit code and what it printed."""
+    from titan_te.main import main
+
+    argv = [f"--job.dump_folder={tmp_path}", "--training.steps=2", "--training.seq_len=16",
+            "--training.local_batch_size=2", *args]
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _assert_config_error(r, *fragments):
@@ -236,29 +241,29 @@ def _assert_config_error(r, *fragments):
         assert frag in r.stderr, r.stderr
 
 
-def test_bad_inputs_give_one_clear_error_naming_the_file(tmp_path, hf_tokenizer_file):
+def test_bad_inputs_give_one_clear_error_naming_the_file(tmp_path, hf_tokenizer_file, capsys):
     bad_utf8 = tmp_path / "bad.jsonl"
     bad_utf8.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
-    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={bad_utf8}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.dataset=files", f"--data.path={bad_utf8}"),
                          f"{bad_utf8}:2: invalid UTF-8 at byte offset 30")
-    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={tmp_path / 'nope'}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.dataset=files", f"--data.path={tmp_path / 'nope'}"),
                          "data.path: no such file or folder", "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "e.txt").write_text("")
-    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={empty}"), "holds no documents")
+    _assert_config_error(_train(tmp_path, capsys, "--data.dataset=files", f"--data.path={empty}"), "holds no documents")
     not_tok = tmp_path / "tokenizer.json"
     not_tok.write_text("{\"hello\": 1}")
-    _assert_config_error(_train(tmp_path, "--data.tokenizer=hf", f"--data.tokenizer_path={not_tok}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.tokenizer=hf", f"--data.tokenizer_path={not_tok}"),
                          f"{not_tok} is not a Hugging Face tokenizer.json")
     short = tmp_path / "short.txt"
     short.write_text("tiny")
-    _assert_config_error(_train(tmp_path, "--data.dataset=files", f"--data.path={short}",
+    _assert_config_error(_train(tmp_path, capsys, "--data.dataset=files", f"--data.path={short}",
                                 "--training.seq_len=64"), "training.seq_len + 1 = 65")
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers):
+def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers, capsys):
     from titan_te.data.shards import ShardWriter, write_manifest
 
     w = ShardWriter(tmp_path / "shards", "train", 258, "byte", 256, 257)
@@ -268,12 +273,12 @@ def test_a_token_id_beyond_the_vocabulary_names_the_shard(tmp_path, workers):
     data = np.memmap(tmp_path / "shards/train-00000.bin", dtype="<u2", mode="r+")
     data[20] = 300  # corrupt one token (in the first batch)
     data.flush()
-    r = _train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 'shards'}",
+    r = _train(tmp_path, capsys, "--data.dataset=tokens", f"--data.path={tmp_path / 'shards'}",
                f"--data.num_workers={workers}", "--data.shuffle=false")
     _assert_config_error(r, "train-00000.bin: token id 300 at token offset 20")
 
 
-def test_truncated_shard_is_refused_before_training(tmp_path):
+def test_truncated_shard_is_refused_before_training(tmp_path, capsys):
     from titan_te.data.shards import ShardWriter, write_manifest
 
     w = ShardWriter(tmp_path / "s", "train", 258, "byte", 256, 257)
@@ -282,14 +287,14 @@ def test_truncated_shard_is_refused_before_training(tmp_path):
     write_manifest(tmp_path / "s", {"train": w.index}, {})
     path = tmp_path / "s/train-00000.bin"
     path.write_bytes(path.read_bytes()[:500])
-    _assert_config_error(_train(tmp_path, "--data.dataset=tokens", f"--data.path={tmp_path / 's'}"),
+    _assert_config_error(_train(tmp_path, capsys, "--data.dataset=tokens", f"--data.path={tmp_path / 's'}"),
                          "train-00000.bin: expected 2,000 bytes", "truncated")
 
 
-def test_validation_loss_is_logged_and_reaches_tensorboard(tmp_path):
+def test_validation_loss_is_logged_and_reaches_tensorboard(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    r = _train(tmp_path, "--training.steps=4", "--validation.enable=true", "--validation.freq=2",
+    r = _train(tmp_path, capsys, "--training.steps=4", "--validation.enable=true", "--validation.freq=2",
                "--validation.steps=2")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step      2  validation loss" in r.stdout and "step      4  validation loss" in r.stdout
@@ -343,18 +348,18 @@ def test_hf_stream_resumes_exactly_and_shards_by_rank(tmp_path, workers, dp_worl
         assert seen[0] and seen[1] and not seen[0] & seen[1]  # the ranks read different records
 
 
-def test_hf_stream_bad_input_is_one_clear_error(tmp_path):
+def test_hf_stream_bad_input_is_one_clear_error(tmp_path, capsys):
     pytest.importorskip("datasets")
     files = _hf_corpus(tmp_path / "hf", files=1, docs=3)
-    r = _train(tmp_path, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
+    r = _train(tmp_path, capsys, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
                "--data.text_field=body")
     _assert_config_error(r, "have no field 'body'", "fields: text, id")
-    r = _train(tmp_path, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={tmp_path / 'none/*.jsonl'}")
+    r = _train(tmp_path, capsys, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={tmp_path / 'none/*.jsonl'}")
     _assert_config_error(r, "cannot stream the Hugging Face dataset 'json'")
-    r = _train(tmp_path, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
+    r = _train(tmp_path, capsys, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
                "--validation.enable=true")
     _assert_config_error(r, "a streamed dataset has no held-out part")
-    r = _train(tmp_path, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
+    r = _train(tmp_path, capsys, "--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}",
                "--training.steps=3", "--data.num_workers=1", "--metrics.log_freq=1")
     assert r.returncode == 0, r.stderr[-2000:]
     logged = re.findall(r"step\s+(\d+)\s+loss\s+([0-9.]+).*\sepoch (\d+)", r.stdout)
@@ -424,18 +429,18 @@ def test_embedded_corpus_walks_only_the_standard_library_and_skips_vanished_file
     assert list(embedded.stdlib_documents()) == ["# a.py\n", "# pkg/b.py\n"]
 
 
-def test_a_streamed_datasets_position_names_what_to_do_on_other_workers_or_ranks(tmp_path):
+def test_a_streamed_datasets_position_names_what_to_do_on_other_workers_or_ranks(tmp_path, capsys):
     """hf streams are split by (rank, worker): their position resumes only on as many of both; otherwise one
     line names the option to go on with a new order."""
     pytest.importorskip("datasets")
     files = _hf_corpus(tmp_path / "hf", files=2, docs=6)
     hf = ["--data.dataset=hf", "--data.path=json", f"--data.hf_data_files={files}", "--checkpoint.enable=true"]
-    assert _train(tmp_path, *hf).returncode == 0
-    r = _train(tmp_path, *hf, "--training.steps=4", "--data.num_workers=1")
+    assert _train(tmp_path, capsys, *hf).returncode == 0
+    r = _train(tmp_path, capsys, *hf, "--training.steps=4", "--data.num_workers=1")
     assert r.returncode == 3 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert "saved with data.num_workers = 0 and cannot be resharded to 1" in r.stderr
     assert "--checkpoint.exclude_from_loading=dataloader" in r.stderr
-    r = _train(tmp_path, *hf, "--training.steps=4", "--data.num_workers=1", "--checkpoint.exclude_from_loading=dataloader")
+    r = _train(tmp_path, capsys, *hf, "--training.steps=4", "--data.num_workers=1", "--checkpoint.exclude_from_loading=dataloader")
     assert r.returncode == 0, r.stderr[-2000:]
 
 

@@ -98,27 +98,42 @@ def test_only_titan_te_te_imports_transformer_engine_or_reads_fp8_internals():
     assert offenders == []
 
 
+# pytest's own selection for each list of arguments, in one interpreter (torch and the test modules imported
+# once; nine pytest processes took 37 s of CPU): the node ids each would run
+SELECTION = """
+import json, sys
+import pytest
+
+class Selected:
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+runs = []
+for args in json.loads(sys.argv[1]):
+    seen = Selected()
+    pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *args], plugins=[seen])
+    runs.append(seen.ids)
+print("SELECTED " + json.dumps(runs))
+"""
+
+
 def test_the_gpu_script_runs_every_gpu_test_once():
     """scripts/test_gpu.sh selects the GPU suite by file and -k expression per group: every test marked gpu
     falls in exactly one group (a new test no expression matches would never run on a GPU)."""
+    import json
+    import os
     import re
     import subprocess
     import sys
-
-    def collect(files, expr=None):  # started at once, read by collected()
-        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files]
-        return subprocess.Popen(cmd + (["-k", expr] if expr else []), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
-
-    def collected(proc):
-        return [line for line in proc.communicate()[0].splitlines() if "::" in line]
 
     script = (ROOT / "scripts" / "test_gpu.sh").read_text()
     groups = re.findall(r"^\w+\(\) \{ group (\w+) ((?:tests/\S+ ?)+)(?:-k \"([^\"]+)\")?; \}", script, re.M)
     assert {g[0] for g in groups} == {"layers", "tracking_1b", "acceptance", "shared_tracking", "shared_state",
                                       "shared_elastic", "shared_memory", "shared_launcher"}
-    runs = [collect(files.split(), expr or None) for _, files, expr in groups]
-    everything = collect(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))
-    selected = [t for proc in runs for t in collected(proc)]
-    every = collected(everything)
-    assert len(every) > 40 and sorted(selected) == sorted(every)
+    runs = [files.split() + (["-k", expr] if expr else []) for _, files, expr in groups]
+    runs.append(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))  # every GPU test
+    r = subprocess.run([sys.executable, "-c", SELECTION, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})  # pytest's own only
+    *per_group, every = json.loads(r.stdout.rsplit("SELECTED ", 1)[-1]) if "SELECTED " in r.stdout else [[]]
+    assert len(every) > 40 and sorted(t for ids in per_group for t in ids) == sorted(every), r.stdout[-3000:]
+    assert all(per_group), [g for g, ids in zip(groups, per_group) if not ids]  # no group selects nothing

@@ -2,26 +2,26 @@
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-from conftest import ROOT
 
 LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
 STEP_TAGS = ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput(tps)",
              "tflops", "memory/max_active(GiB)", "memory/max_reserved(GiB)", "time/step_s", "time/data_loading(%)"]
 
 
-def _train(tmp_path, steps, *extra):
-    args = [sys.executable, str(ROOT / "train.py"), f"--job.dump_folder={tmp_path}", f"--training.steps={steps}",
-            "--training.seq_len=32", "--training.local_batch_size=2", "--metrics.log_freq=1",
-            "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.async_mode=async", *extra]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return {int(s): float(v) for s, v in LINE.findall(r.stdout)}, r.stdout
+def _train(tmp_path, capsys, steps, *extra):
+    """train.py's main in this process: the console's losses by step, and its output."""
+    from titan_te.main import main
+
+    capsys.readouterr()
+    code = main([f"--job.dump_folder={tmp_path}", f"--training.steps={steps}", "--training.seq_len=32",
+                 "--training.local_batch_size=2", "--metrics.log_freq=1", "--checkpoint.enable=true",
+                 "--checkpoint.interval=5", "--checkpoint.async_mode=async", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, out[-2000:] + err[-2000:]
+    return {int(s): float(v) for s, v in LINE.findall(out)}, out
 
 
 def _events(tmp_path) -> EventAccumulator:
@@ -30,8 +30,8 @@ def _events(tmp_path) -> EventAccumulator:
     return acc
 
 
-def test_tensorboard_tags_steps_and_values_match_the_console(tmp_path):
-    console, out = _train(tmp_path, 12)
+def test_tensorboard_tags_steps_and_values_match_the_console(tmp_path, capsys):
+    console, out = _train(tmp_path, capsys, 12)
     acc = _events(tmp_path)
     tags = set(acc.Tags()["scalars"])
     assert set(STEP_TAGS) <= tags, sorted(tags)
@@ -45,11 +45,11 @@ def test_tensorboard_tags_steps_and_values_match_the_console(tmp_path):
     assert "tensorboard --logdir" in out
 
 
-def test_a_resumed_run_continues_one_curve_without_a_second_step(tmp_path):
-    first, _ = _train(tmp_path, 12)
+def test_a_resumed_run_continues_one_curve_without_a_second_step(tmp_path, capsys):
+    first, _ = _train(tmp_path, capsys, 12)
     # A crash after step 12 whose last complete checkpoint is step 10: steps 11-12 are logged twice.
     shutil.rmtree(tmp_path / "debug/checkpoint/step-12")
-    second, out = _train(tmp_path, 16)
+    second, out = _train(tmp_path, capsys, 16)
     assert "resumed from" in out and "(step 10)" in out
     losses = _events(tmp_path).Scalars("loss_metrics/global_avg_loss")
     steps = [e.step for e in losses]
@@ -61,8 +61,8 @@ def test_a_resumed_run_continues_one_curve_without_a_second_step(tmp_path):
         assert by_step[step] == pytest.approx(first[step], abs=6e-5)
 
 
-def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path):
-    _, out = _train(tmp_path, 5, "--profiling.enable_profiling=true", "--profiling.profile_start=2",
+def test_profiler_writes_a_chrome_trace_of_the_chosen_steps(tmp_path, capsys):
+    _, out = _train(tmp_path, capsys, 5, "--profiling.enable_profiling=true", "--profiling.profile_start=2",
                     "--profiling.profile_active=2", "--checkpoint.enable=false")
     trace = tmp_path / "debug/profile_traces/step-2/rank0.json"
     assert trace.is_file() and "trace of steps 2-3" in out
@@ -95,10 +95,10 @@ def test_rank_0_only_decides_which_ranks_write_tensorboard(rank_0_only, tmp_path
         assert [e.value for e in acc.Scalars("loss_metrics/global_avg_loss")] == pytest.approx(losses[0], abs=1e-6)
 
 
-def test_a_steps_line_is_written_before_its_checkpoint_is_saved(tmp_path):
+def test_a_steps_line_is_written_before_its_checkpoint_is_saved(tmp_path, capsys):
     """Step values are read one step late, except at a save: a crash right after "saved step N" has
     already logged step N (console and TensorBoard), so a resumed curve has no gap."""
-    _, out = _train(tmp_path, 6, "--checkpoint.async_mode=disabled", "--checkpoint.interval=3")
+    _, out = _train(tmp_path, capsys, 6, "--checkpoint.async_mode=disabled", "--checkpoint.interval=3")
     lines = out.splitlines()
     for step in (3, 6):
         logged = next(i for i, ln in enumerate(lines) if re.search(rf"step\s+{step}\s+loss", ln))
