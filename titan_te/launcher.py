@@ -54,7 +54,8 @@ def _int_env(name: str, default: int, minimum: int) -> int:
     return value
 
 
-GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
+# a GPU driver's files: NVIDIA's, WSL2's GPU device, NVIDIA Jetson's integrated GPU, AMD's (ROCm)
+GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/nvhost-ctrl-gpu", "/dev/kfd")
 
 
 def _visible_gpus() -> int:
