@@ -80,7 +80,16 @@ def frame_document(ids, tokenizer) -> np.ndarray:
     return out
 
 
+ENCODE_BATCH = 256  # documents per tokenizer call (the hf and tiktoken tokenizers encode a batch on all cores)
+
+
 def join_documents(docs, tokenizer) -> np.ndarray:
     """BOS + tokens + EOS per document, concatenated (int32)."""
-    parts = [frame_document(tokenizer.encode(text), tokenizer) for text in docs]
+    parts, batch = [], []
+    for text in docs:
+        batch.append(text)
+        if len(batch) == ENCODE_BATCH:
+            parts += [frame_document(ids, tokenizer) for ids in tokenizer.encode_batch(batch)]
+            batch = []
+    parts += [frame_document(ids, tokenizer) for ids in tokenizer.encode_batch(batch)] if batch else []
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
