@@ -99,7 +99,7 @@ def test_only_titan_te_te_imports_transformer_engine_or_reads_fp8_internals():
 
 
 # pytest's own selection for each list of arguments, in one interpreter (torch and the test modules imported
-# once; nine pytest processes took 37 s of CPU): the node ids each would run
+# once, not once per selection): the node ids each would run
 SELECTION = """
 import json, sys
 import pytest

@@ -60,7 +60,7 @@ GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/n
 
 def _visible_gpus() -> int:
     if not any(os.path.exists(f) for f in GPU_DRIVER_FILES):
-        return 0  # no GPU driver on this node: no need to import torch (a second of start-up) to count none
+        return 0  # no GPU driver on this node: no need to import torch (most of the launcher's start-up) to count none
     try:
         import torch
 

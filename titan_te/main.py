@@ -45,9 +45,10 @@ def leave(code: int) -> NoReturn:
     """End the process (train.py's last act) as an exit does, less its final collection of every module.
 
     The other threads are waited for and the atexit handlers run, as at any exit; then the process ends without
-    tearing down the imported modules, which took 0.5 to 1.4 s per process with torch loaded on a 2-core CPU.
-    Nothing of ours waits for that teardown: every file this package writes is on disk line by line (a kill -9
-    loses nothing), and the process group is gone. Where Python lacks the two calls, it is a plain exit."""
+    tearing down the imported modules, which with torch loaded takes longer than a short run's training (the
+    README has the figures). Nothing of ours waits for that teardown: every file this package writes is on disk
+    line by line (a kill -9 loses nothing), and the process group is gone. Where Python lacks the two calls, it
+    is a plain exit."""
     import atexit
     import threading
 

@@ -314,8 +314,8 @@ def _type_of(section_cls: type, name: str) -> type:
 
 @functools.cache
 def _type_hints(section_cls: type) -> dict[str, type]:
-    """A section's field types, resolved once per class (resolving them for every key set was three quarters
-    of the time loading a config took)."""
+    """A section's field types, resolved once per class (resolving them for every key set was most of the time
+    loading a config took)."""
     return typing.get_type_hints(section_cls)
 
 
