@@ -1,6 +1,7 @@
 """Test helpers: configs from dicts, and real multi-process runs on gloo."""
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -41,6 +42,7 @@ def free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args, out_dir):
+    gc.freeze()  # the fork server's imports: out of this rank's full collections (one at its shutdown)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
