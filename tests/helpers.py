@@ -5,6 +5,7 @@ import gc
 import os
 import pickle
 import socket
+import subprocess
 import tempfile
 import traceback
 from pathlib import Path
@@ -33,6 +34,17 @@ def make_cfg(tmp_path, world: int = 1, **sections) -> config_mod.Config:
         else:
             os.environ["WORLD_SIZE"] = old
     return cfg
+
+
+def run_main(capsys, argv: list[str]) -> subprocess.CompletedProcess:
+    """train.py's main in this process (a process of its own would import torch again): its exit code and
+    what it printed."""
+    from titan_te.main import main
+
+    capsys.readouterr()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def free_port() -> int:

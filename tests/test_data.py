@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from helpers import entries, run_ranks
+from helpers import entries, run_main, run_ranks
 
 DOCS = ["héllo wörld, the first document.", "второй документ", "第三个文件 and some ascii", "four " * 40]
 
@@ -222,16 +222,8 @@ def test_global_batch_is_the_same_sequences_for_one_or_two_ranks():
 
 
 def _train(tmp_path, capsys, *args) -> subprocess.CompletedProcess:
-    """train.py's main in this process (each start of a process imported torch, and datasets, again): its
-    exit code and what it printed."""
-    from titan_te.main import main
-
-    argv = [f"--job.dump_folder={tmp_path}", "--training.steps=2", "--training.seq_len=16",
-            "--training.local_batch_size=2", *args]
-    capsys.readouterr()
-    code = main(argv)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out, err)
+    return run_main(capsys, [f"--job.dump_folder={tmp_path}", "--training.steps=2", "--training.seq_len=16",
+                             "--training.local_batch_size=2", *args])
 
 
 def _assert_config_error(r, *fragments):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import entries, free_port
+from helpers import entries, free_port, run_main
 
 from conftest import ROOT
 
@@ -32,14 +32,10 @@ def _one_line(err: str, code: int, rc: int, prefix: str, fragment: str) -> None:
 
 
 def train(argv, capsys, expect, fragment, tmp_path=None):
-    from titan_te.main import main
-
     dump = [f"--job.dump_folder={tmp_path}"] if tmp_path is not None else []
-    capsys.readouterr()
-    rc = main([*SMALL, *dump, *argv])
-    out, err = capsys.readouterr()
-    _one_line(err, *expect[:1], rc, expect[1], fragment)
-    return out
+    r = run_main(capsys, [*SMALL, *dump, *argv])
+    _one_line(r.stderr, *expect[:1], r.returncode, expect[1], fragment)
+    return r.stdout
 
 
 # --- config and command line: refused before anything is built ---------------------------------------

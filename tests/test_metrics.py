@@ -6,6 +6,8 @@ import shutil
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import run_main
+
 LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
 STEP_TAGS = ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr", "throughput(tps)",
              "tflops", "memory/max_active(GiB)", "memory/max_reserved(GiB)", "time/step_s", "time/data_loading(%)"]
@@ -13,15 +15,11 @@ STEP_TAGS = ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "gr
 
 def _train(tmp_path, capsys, steps, *extra):
     """train.py's main in this process: the console's losses by step, and its output."""
-    from titan_te.main import main
-
-    capsys.readouterr()
-    code = main([f"--job.dump_folder={tmp_path}", f"--training.steps={steps}", "--training.seq_len=32",
-                 "--training.local_batch_size=2", "--metrics.log_freq=1", "--checkpoint.enable=true",
-                 "--checkpoint.interval=5", "--checkpoint.async_mode=async", *extra])
-    out, err = capsys.readouterr()
-    assert code == 0, out[-2000:] + err[-2000:]
-    return {int(s): float(v) for s, v in LINE.findall(out)}, out
+    r = run_main(capsys, [f"--job.dump_folder={tmp_path}", f"--training.steps={steps}", "--training.seq_len=32",
+                          "--training.local_batch_size=2", "--metrics.log_freq=1", "--checkpoint.enable=true",
+                          "--checkpoint.interval=5", "--checkpoint.async_mode=async", *extra])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return {int(s): float(v) for s, v in LINE.findall(r.stdout)}, r.stdout
 
 
 def _events(tmp_path) -> EventAccumulator:
