@@ -91,6 +91,10 @@ def category(name: str, cat: str) -> str:
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # trace categories of the host calls that queue GPU work
 
 
+class NoBreakdown(Exception):
+    """A trace that holds no steady steps to split."""
+
+
 def breakdown(trace: Path) -> dict:
     """ms per step per category, idle ms and busy % of the steady steps of a chrome trace.
 
@@ -106,7 +110,7 @@ def breakdown(trace: Path) -> dict:
                    if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
                    and not str(e.get("cat", "")).startswith("gpu_"))[:-1]
     if not steps:
-        raise SystemExit(f"{trace}: fewer than two ProfilerStep ranges; trace at least --profile_steps=1 plus one")
+        raise NoBreakdown(f"{trace}: fewer than two ProfilerStep ranges; trace at least --profile_steps=1 plus one")
     queued = {e["args"]["correlation"]: e["ts"] for e in events
               if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})}
 
@@ -120,7 +124,7 @@ def breakdown(trace: Path) -> dict:
     if not on_gpu:  # a run on the CPU: nothing to split
         return {**{c: 0.0 for c in COLUMNS}, "traced_ms": sum(b - a for a, b in steps) / n / 1e3, "busy_pct": 0.0}
     if not gpu:
-        raise SystemExit(f"{trace}: none of the GPU work in the trace was queued by the traced steps")
+        raise NoBreakdown(f"{trace}: none of the GPU work in the trace was queued by the traced steps")
     per = {c: 0.0 for c in COLUMNS}
     spans = []
     for e in gpu:
@@ -275,7 +279,8 @@ def child_preset(a, overrides: list[str]) -> dict:
         run(a.profile_steps + 2)
         try:
             parts = breakdown(traces / f"step-{first}" / f"rank{tr.env.rank}.json")
-        except SystemExit as e:  # older code (a *_before run) may trace other steps: its speed still counts
+        except (NoBreakdown, FileNotFoundError) as e:  # older code (a *_before run) may trace other steps or
+            # write its traces elsewhere: its speed still counts
             print(f"no breakdown: {e}", flush=True)
             parts = {}
         tokens, flops = tr.tokens_per_step, tr.model_args.flops_per_token(cfg.training.seq_len)

@@ -50,7 +50,7 @@ def test_breakdown_counts_the_steady_steps_queued_work_by_category_and_idle_once
 def test_breakdown_of_a_trace_without_two_steps_says_so(tmp_path):
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "ProfilerStep#0", "ts": 0, "dur": 1}]}))
-    with pytest.raises(SystemExit, match="fewer than two ProfilerStep ranges"):
+    with pytest.raises(train_bench.NoBreakdown, match="fewer than two ProfilerStep ranges"):
         train_bench.breakdown(trace)
 
 
