@@ -9,12 +9,13 @@ from helpers import make_cfg
 
 GiB = 2**30
 # Peak allocated memory of the FP8 presets on one H200 (benchmarks/train_bench.py, 2026-12-04, the README's
-# speed table): the planner's estimate must lie within 10% of them.
+# speed table): the planner's estimate must lie within 5% of them (before it counted TE's FP8 transposes the
+# 8B's was 7% low).
 MEASURED_PEAK_GIB = {"llama3_1b_fp8": 51.5, "llama_fp8": 110.5}
 MEASURED_1B_CHECKPOINT_GB = 13.0  # one save of the 1B preset on the H200 (README, checkpoints)
 
 
-def _plan(preset: str, ngpu: int = 1, **overrides):
+def _plan(preset: str, ngpu: int = 1, gpu: str = "H200", **overrides):
     from titan_te import config as config_mod
     from titan_te.plan import make_plan
 
@@ -25,15 +26,29 @@ def _plan(preset: str, ngpu: int = 1, **overrides):
         cfg, _ = config_mod.load(argv, hardware=False)
     finally:
         os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
-    return make_plan(cfg, ngpu, 1, "H200", vocab=258)
+    return make_plan(cfg, ngpu, 1, gpu, vocab=258)
 
 
 @pytest.mark.parametrize("preset", list(MEASURED_PEAK_GIB))
-def test_the_memory_estimate_is_within_10_percent_of_the_measured_presets(preset):
+def test_the_memory_estimate_is_within_5_percent_of_the_measured_presets(preset):
     plan = _plan(preset)
     est, measured = plan.peak["none"] / GiB, MEASURED_PEAK_GIB[preset]
     print(f"{preset}: estimate {est:.1f} GiB, measured {measured} GiB ({est / measured - 1:+.1%})")
-    assert abs(est / measured - 1) <= 0.10
+    assert abs(est / measured - 1) <= 0.05
+
+
+def test_fp8_weights_used_in_place_count_their_transposes_on_hopper_only():
+    """TE keeps a transposed FP8 copy of each FP8 weight on Hopper (measured on an H100, TE 2.20: 4 FP8
+    weights of 8192 x 8192 allocated 544 MiB after quantized_model_init, data and transposes); Blackwell's FP8
+    GEMMs take either layout. FSDP's shards are gathered before use: their copies are not counted there."""
+    hopper, blackwell = _plan("llama_fp8"), _plan("llama_fp8", gpu="B200")
+    n_fp8 = 6.98e9
+    extra = hopper.peak["none"] - blackwell.peak["none"]
+    assert extra == pytest.approx(n_fp8, rel=0.01)
+    assert "their transposes" in dict(hopper.rows)["weights / rank"]
+    assert "transposes" not in dict(blackwell.rows)["weights / rank"]
+    sharded = _plan("llama_fp8", ngpu=8)
+    assert "transposes" not in dict(sharded.rows)["weights / rank"]
 
 
 def test_the_checkpoint_estimate_matches_the_measured_1b_save():

@@ -29,9 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 GiB = 2**30
-# GPU memory (bytes, as torch reports total_memory) and dense bf16 peak FLOP/s
-GPUS = {"H200": (143_771 * 2**20, 989e12), "H100": (81_559 * 2**20, 989e12), "B200": (183_359 * 2**20, 2250e12),
-        "A100": (81_920 * 2**20, 312e12)}
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory: int  # bytes, as torch reports total_memory
+    peak_flops: float  # dense bf16
+    # TE keeps a transposed FP8 copy of every FP8 weight it uses in place (Hopper's FP8 GEMMs take one layout
+    # only; it is made when the weight is and kept: _reset_caches marks it stale, it does not free it)
+    fp8_transpose: bool = False
+
+
+GPUS = {"H200": GPU(143_771 * 2**20, 989e12, fp8_transpose=True),
+        "H100": GPU(81_559 * 2**20, 989e12, fp8_transpose=True),
+        "B200": GPU(183_359 * 2**20, 2250e12),
+        "A100": GPU(81_920 * 2**20, 312e12)}
 NVLINK_GBS, IB_GBS = 450.0, 50.0  # per GPU, one direction: NVLink 4 (H100/H200), 400 Gb/s InfiniBand NDR
 WORKSPACE = 2 * GiB  # CUDA context, cuBLAS / cuDNN / TE workspaces: a fixed allowance
 ASSUMED_MFU = 0.75  # without a measured breakdown (the FP8 presets measured 79-84% on one H200)
@@ -160,7 +172,11 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     n_fp8, n_other = m.n_fp8, m.n_other
     opt = OPTIMIZERS.get(cfg.optimizer.name)
     state_full = n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)
-    weights, grads, state = (n_fp8 * 1 + n_other * 4) / div, (n_fp8 + n_other) * 4 / div, state_full / div
+    # weights used in place (no FSDP gathers) keep TE's transposed FP8 copy on GPUs that need one; FSDP's
+    # gathered copies are counted in `transient` (not measured for its shards)
+    transposes = n_fp8 if GPUS[gpu].fp8_transpose and not gathers else 0
+    weights = (n_fp8 * 1 + n_other * 4) / div + transposes
+    grads, state = (n_fp8 + n_other) * 4 / div, state_full / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
     # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
     transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
@@ -168,7 +184,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
     acts, head = _activations(cfg, m, vocab, tokens)
     plan = Plan()
-    memory, peak_flops = GPUS[gpu]
+    memory, peak_flops = GPUS[gpu].memory, GPUS[gpu].peak_flops
     block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
     for mode in AC_MODES:
         # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
@@ -212,7 +228,9 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
         ("world", f"{world} ranks ({nnodes} node(s) x {ngpu}); {parallel.name}, replicate {rep} x shard {shard}"),
         ("parameters", f"{(n_fp8 + n_other) / 1e9:,.2f} B ({n_fp8 / 1e9:,.2f} B in FP8, {n_other / 1e9:,.2f} B "
                        f"higher precision)"),
-        ("weights / rank", f"{_gib(weights)} (FP8 {_gib(n_fp8 / div)}, FP32 {_gib(n_other * 4 / div)})"),
+        ("weights / rank", f"{_gib(weights)} (FP8 {_gib(n_fp8 / div)}"
+                           + (f", their transposes {_gib(transposes)}" if transposes else "")
+                           + f", FP32 {_gib(n_other * 4 / div)})"),
         ("gradients / rank", _gib(grads)),
         ("optimizer state / rank", f"{_gib(state)} ({cfg.optimizer.name}, moments {cfg.optimizer.moment_dtype})"),
         ("FSDP gathers in flight", _gib(transient)),
