@@ -174,7 +174,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     state_full = n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)
     # weights used in place (no FSDP gathers) keep TE's transposed FP8 copy on GPUs that need one; FSDP's
     # gathered copies are counted in `transient` (not measured for its shards)
-    transposes = n_fp8 if GPUS[gpu].fp8_transpose and not gathers else 0
+    card = GPUS[gpu]
+    transposes = n_fp8 if card.fp8_transpose and not gathers else 0
     weights = (n_fp8 * 1 + n_other * 4) / div + transposes
     grads, state = (n_fp8 + n_other) * 4 / div, state_full / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
@@ -184,7 +185,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
     acts, head = _activations(cfg, m, vocab, tokens)
     plan = Plan()
-    memory, peak_flops = GPUS[gpu].memory, GPUS[gpu].peak_flops
+    memory, peak_flops = card.memory, card.peak_flops
     block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
     for mode in AC_MODES:
         # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
