@@ -51,21 +51,17 @@ def clip_grad_norm(parameters, max_norm: float, optimizer=None) -> torch.Tensor:
     return total
 
 
-FINITE_SLICE = 1 << 24  # elements per finiteness check (bounds its temporaries)
-
-
 def training_state_finite(model, optimizer) -> bool:
     """Whether every rank's shard of every high-precision weight and every floating optimizer state (FP32
     masters, moments) is finite (one all-reduce: every rank gets the same answer). FP8 weights are left out:
-    their FP32 masters are in the optimizer's state."""
+    their FP32 masters are in the optimizer's state. One min-max reduction per tensor (NaN propagates into
+    both ends, +inf into the max, -inf into the min): one read of the state and no temporaries of its size."""
     params = [t for t in (local_tensor(p) for p in model.parameters()) if not is_quantized(t)]
     states = [local_tensor(v) for state in optimizer.state.values() for v in state.values()
               if torch.is_tensor(v) and v.is_floating_point()]
     device = params[0].device if params else torch.device("cpu")
-    bad = torch.zeros((), device=device)
-    for t in params + states:
-        for part in t.detach().reshape(-1).split(FINITE_SLICE):
-            bad += (~torch.isfinite(part)).any().to(device)
+    ends = [torch.stack(torch.aminmax(t.detach())).float().to(device) for t in params + states if t.numel()]
+    bad = (~torch.isfinite(torch.cat(ends))).sum().float() if ends else torch.zeros((), device=device)
     if dist.is_initialized():
         dist.all_reduce(bad)
     return bool(bad == 0)
