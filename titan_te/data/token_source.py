@@ -7,6 +7,8 @@ shard is reported by name and offset instead of crashing an embedding lookup.
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from titan_te.errors import DataError
@@ -85,11 +87,7 @@ ENCODE_BATCH = 256  # documents per tokenizer call (the hf and tiktoken tokenize
 
 def join_documents(docs, tokenizer) -> np.ndarray:
     """BOS + tokens + EOS per document, concatenated (int32)."""
-    parts, batch = [], []
-    for text in docs:
-        batch.append(text)
-        if len(batch) == ENCODE_BATCH:
-            parts += [frame_document(ids, tokenizer) for ids in tokenizer.encode_batch(batch)]
-            batch = []
-    parts += [frame_document(ids, tokenizer) for ids in tokenizer.encode_batch(batch)] if batch else []
+    docs, parts = iter(docs), []
+    while batch := list(itertools.islice(docs, ENCODE_BATCH)):
+        parts += [frame_document(ids, tokenizer) for ids in tokenizer.encode_batch(batch)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
