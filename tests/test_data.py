@@ -483,3 +483,21 @@ def test_a_worker_the_kernel_ended_is_told_by_its_exit_status_when_torch_names_n
                                            f"({expected}"), death.line()
     finally:
         stop_workers(loader)
+
+
+def test_a_worker_killed_during_a_checkpoint_save_is_one_line_too():
+    """torch's SIGCHLD handler raised inside DCP's save planner, which wrapped the error into its
+    CheckpointException (a BaseException): the user got a traceback and exit 1 instead of one line and exit 4."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from titan_te.errors import OutOfMemory
+    from titan_te.trainer import _loader_workers_can_die
+
+    death = RuntimeError("DataLoader worker (pid 14700) is killed by signal: Killed. ")
+    with pytest.raises(OutOfMemory, match=r"data-loader worker \(pid 14700\) was killed \(SIGKILL"):
+        with _loader_workers_can_die(loader=None):
+            raise CheckpointException("save failed", {0: (death, None)})
+    other = CheckpointException("save failed", {0: (ValueError("a bug of ours"), None)})
+    with pytest.raises(CheckpointException):  # anything else inside a save keeps its traceback
+        with _loader_workers_can_die(loader=None):
+            raise other

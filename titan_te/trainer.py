@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
@@ -90,10 +91,10 @@ def out_of_memory(step: int, err: Exception, snapshot) -> OutOfMemory:
 @contextlib.contextmanager
 def _loader_workers_can_die(loader):
     """A loader worker that the kernel ends is one line (torch raises it wherever the main thread is, so the
-    step it interrupts is left unsaved)."""
+    step it interrupts is left unsaved; inside a checkpoint save DCP wraps it into its CheckpointException)."""
     try:
         yield
-    except RuntimeError as e:
+    except (RuntimeError, CheckpointException) as e:
         death = worker_death(e, loader)
         if death is None:
             raise
