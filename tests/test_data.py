@@ -1,6 +1,7 @@
 """Data pipeline: tokenizers, text files, token shards, prepare, exact resumable loading, bad input."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -165,6 +166,32 @@ def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, 
     val = source.validation
     assert np.array_equal(np.concatenate([np.asarray(s) for s in val.shards]),
                           np.concatenate([[tok.bos_id], tok.encode(DOCS[3]), [tok.eos_id]]))
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch prepare's file-system calls")
+def test_prepare_syncs_the_new_shards_to_the_disk_before_the_old_ones_go(tmp_path):
+    """--overwrite replaces an earlier prepare's shards: every new file and the staging folder are synced before
+    the first one is moved in, and the output folder before the old files are deleted, so a crash of the machine
+    cannot leave neither (watched by strace on the real tool)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "shards"
+    cmd = [sys.executable, "-m", "titan_te.data.prepare", f"--input={corpus}", f"--output={out}", "--tokenizer=byte",
+           "--shard_tokens=64"]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
+    trace = tmp_path / "strace.log"
+    r = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace), "-e",
+                        "trace=fsync,rename,renameat,renameat2,unlink,unlinkat", *cmd, "--overwrite"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = trace.read_text().splitlines()
+    out, staging = out.resolve(), (out / ".prepare-staging").resolve()
+    moved_in = next(i for i, x in enumerate(lines) if "rename" in x and f'"{staging}/' in x)
+    synced = {m for x in lines[:moved_in] for m in re.findall(r"fsync\(\d+<([^>]+)>", x)}
+    new = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert len(new) > 3 and "prepare.json" in new
+    assert {str(staging / n) for n in new} | {str(staging)} <= synced
+    old_removed = next(i for i, x in enumerate(lines) if "unlink" in x and f"{out}/.prepare-old" in x)
+    assert any("fsync(" in x and f"<{out}>" in x for x in lines[moved_in:old_removed])
 
 
 def _batches(loader, n):

@@ -2,6 +2,7 @@
 workers that die with the launcher, one trainer per run folder, the run's own log file."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -153,6 +154,36 @@ def test_two_rank_async_run_lands_every_save_and_logs_to_the_run_folder(tmp_path
     assert "step     50  loss" in log and "checkpoint: saved step 45" in log
     assert (tmp_path / "debug/logs/rank1.log").is_file()
     assert "[rank1]" not in r.stdout  # LOG_RANK=0 shows rank 0 only
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch the run's file-system calls")
+def test_a_save_is_on_the_disk_before_retention_deletes_the_older_one(tmp_path):
+    """A machine that crashes (not only the process) right after a save must find that save whole: the real run,
+    watched by strace, syncs the manifest and the save's folder, renames it, syncs the checkpoint folder, and
+    only then deletes the older checkpoint (keep_latest_k = 1). Unsynced, a crash could leave the newest save
+    with an empty manifest after the only older one was deleted."""
+    trace = tmp_path / "strace.log"
+    args = [f"--job.dump_folder={tmp_path}", "--training.steps=6", "--checkpoint.enable=true",
+            "--checkpoint.interval=2", "--checkpoint.keep_latest_k=1", "--checkpoint.async_mode=async", *SMALL]
+    r = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace),
+                        "-e", "trace=fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir", "./run_train.sh", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    ck = (tmp_path / "debug/checkpoint").resolve()
+    assert _steps(ck) == ["step-6"]
+    lines = trace.read_text().splitlines()
+
+    def first(after: int, test) -> int:
+        return next((i for i, line in enumerate(lines) if i > after and test(line)), len(lines))
+
+    for step, older in ((4, 2), (6, 4)):
+        tmp, final = ck / f"step-{step}.tmp", ck / f"step-{step}"
+        manifest = first(-1, lambda x: "fsync(" in x and f"<{tmp}/titan_te.json>" in x)
+        folder = first(manifest, lambda x: "fsync(" in x and f"<{tmp}>" in x)
+        renamed = first(folder, lambda x: "rename" in x and f'"{tmp}"' in x and f'"{final}"' in x)
+        parent = first(renamed, lambda x: "fsync(" in x and f"<{ck}>" in x)
+        deleted = first(-1, lambda x: "unlink" in x and (f"{ck}/step-{older}>" in x or f'"{ck}/step-{older}"' in x))
+        assert parent < deleted < len(lines), (step, manifest, folder, renamed, parent, deleted)
 
 
 def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(tmp_path):

@@ -30,6 +30,7 @@ from titan_te.checkpoint import integrity
 from titan_te.checkpoint.errors import describe, is_unreadable_data
 from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir
 from titan_te.data import TOKENIZERS
+from titan_te.durable import sync
 from titan_te.errors import ExportError
 from titan_te.hf_files import save_hf_folder
 from titan_te.models import MODELS
@@ -194,12 +195,18 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
 
 
 def _publish(staging: Path, out: Path, replacing: bool) -> None:
+    """Move the export in; its files are synced to the disk first, so a crash of the machine after an earlier
+    export was deleted cannot leave neither."""
+    for f in staging.iterdir():
+        sync(f)
+    sync(staging)
     if out.is_dir() and not replacing:
         out.rmdir()  # empty (checked): the new folder takes its place
     if replacing:
         old = out.parent / f".{out.name}.export-old-{os.getpid()}"
         out.rename(old)
         staging.rename(out)
+        sync(out.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         staging.rename(out)

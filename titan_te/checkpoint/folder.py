@@ -6,6 +6,9 @@ and renames it to `step-<N>`. So a folder counts as a checkpoint only when it is
 holds both `.metadata` and a readable manifest; anything else (a `.tmp`, a copied or half-deleted
 folder, another tool's DCP folder) is never loaded, never counted by retention and never deleted.
 
+A checkpoint must survive a crash of the machine, not only of the process: DCP syncs its files; the manifest,
+the folder's entries and the rename are synced before retention deletes anything older.
+
 The manifest names the checkpoint's *lineage*: the id of the run that started from nothing, carried
 on by every run that resumes from it. Retention only ever prunes folders of this run's lineage.
 """
@@ -20,6 +23,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from titan_te.durable import sync
 
 logger = logging.getLogger("titan_te")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -45,6 +50,13 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    def write(self, folder: Path) -> None:
+        """Write the manifest into `folder` and sync it and the folder's entries to the disk."""
+        path = Path(folder) / MANIFEST
+        path.write_text(self.to_json())
+        sync(path)
+        sync(folder)
 
     @classmethod
     def read(cls, folder: Path) -> "Manifest | None":
@@ -174,12 +186,14 @@ def set_aside(folder: Path, steps: list[int], why: str) -> Path:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Make `tmp` visible as `final`. A folder already there is moved aside, never deleted."""
+    """Make `tmp` visible as `final`, durably (the parent's entries are synced). A folder already there is
+    moved aside, never deleted."""
     if final.exists():
         aside = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
         final.rename(aside)
         logger.warning(f"checkpoint: {final} already existed; moved it to {aside}")
     tmp.rename(final)
+    sync(final.parent)
 
 
 class Retention:

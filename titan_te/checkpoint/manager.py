@@ -399,7 +399,7 @@ class CheckpointManager:
         final = fs.step_dir(self.folder, step)
 
         def publish():
-            (tmp / fs.MANIFEST).write_text(manifest.to_json())
+            manifest.write(tmp)
             fs.publish(tmp, final)
             return self.retention.prune(self.lineage, just_written=step), fs.folder_bytes(final)
 

@@ -34,6 +34,7 @@ from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.errors import DataError
 from titan_te.data.shards import MANIFEST, ShardWriter, shard_files, write_manifest
 from titan_te.data.token_source import frame_document
+from titan_te.durable import sync
 from titan_te.run_folder import LOCK, FolderLock, why
 from titan_te.paths import check_path
 from titan_te.tool_cli import OneLineParser, run_tool
@@ -230,7 +231,11 @@ def _check_output(output: Path, overwrite: bool) -> list[Path]:
 
 def _publish(output: Path, staging: Path, old: list[Path]) -> None:
     """Swap the new shards in. prepare.json is the commit: the old one goes first and the new one last, so
-    a folder is never read with a mix of runs (the `tokens` dataset refuses a folder without it)."""
+    a folder is never read with a mix of runs (the `tokens` dataset refuses a folder without it). The new
+    files are synced to the disk before the old ones go, so a crash of the machine cannot lose both."""
+    for p in staging.iterdir():
+        sync(p)
+    sync(staging)
     aside = output / OLD
     aside.mkdir(exist_ok=True)
     old = sorted(old, key=lambda p: p.name != MANIFEST)  # the old manifest first
@@ -239,6 +244,7 @@ def _publish(output: Path, staging: Path, old: list[Path]) -> None:
     new = sorted(staging.iterdir(), key=lambda p: p.name == MANIFEST)  # the new manifest last
     for p in new:
         p.rename(output / p.name)
+    sync(output)
     shutil.rmtree(aside, ignore_errors=True)
     staging.rmdir()
 
