@@ -451,6 +451,21 @@ def test_a_resume_that_restarts_the_step_counter_never_overwrites_checkpoints(tm
     assert {n: (ck / n / ".metadata").stat().st_mtime_ns for n in entries(ck)} == before
 
 
+def test_a_resume_past_training_steps_says_there_is_nothing_to_train_and_keeps_the_checkpoint(tmp_path, capsys):
+    from helpers import run_main
+
+    argv = [f"--job.dump_folder={tmp_path}", "--training.seq_len=16", "--training.local_batch_size=2",
+            "--checkpoint.enable=true", "--checkpoint.interval=2"]
+    assert run_main(capsys, [*argv, "--training.steps=4"]).returncode == 0
+    ck = tmp_path / "debug/checkpoint"
+    before = {p.name: p.stat().st_mtime_ns for p in ck.glob("step-*")}
+    r = run_main(capsys, [*argv, "--training.steps=2"])
+    assert r.returncode == 0, r.stderr
+    assert "nothing to train: the run is at step 4 and training.steps = 2; raise training.steps to train on" in r.stdout
+    assert "training from step" not in r.stdout and "done: step 4 of 2" in r.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in ck.glob("step-*")} == before and "step-4" in before
+
+
 def test_a_model_only_final_save_finishes_the_run_or_names_the_full_checkpoint(tmp_path):
     _go(tmp_path, 10, checkpoint={"last_save_model_only": True})
     ck = tmp_path / "t/checkpoint"

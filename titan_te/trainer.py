@@ -435,7 +435,11 @@ class Trainer:
         reads at the same point, so all ranks stop after the same step, save it, and exit 75."""
         t = self.cfg.training
         stop_at = min(until_step or t.steps, t.steps)
-        logger.info(f"training from step {self.state.step + 1} to {t.steps}")
+        if self.state.step >= t.steps:
+            logger.info(f"nothing to train: the run is at step {self.state.step} and training.steps = {t.steps}; "
+                        f"raise training.steps to train on")
+        else:
+            logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
         with SIGNALS.training(), self.profiler.loop(self.state.step + 1), \
                 _loader_workers_can_die(self.dataloader):
