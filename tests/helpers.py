@@ -1,9 +1,10 @@
-"""Test helpers: configs from dicts, and real multi-process runs on gloo."""
+"""Test helpers: configs from dicts, real multi-process runs on gloo, and commands watched by strace."""
 from __future__ import annotations
 
 import gc
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -98,3 +99,15 @@ CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe"
 def entries(folder) -> list[str]:
     """The sorted names in a folder a run or tool writes into, without the `.lock` it holds there."""
     return sorted(p.name for p in Path(folder).iterdir() if p.name != ".lock")
+
+
+STRACE = shutil.which("strace")
+FILE_CALLS = "fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir"
+
+
+def traced(cmd: list[str], trace: Path, **run_kw) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run `cmd` (and every process and thread it starts) under strace, recording its syncs, renames and deletions
+    in order, each file descriptor shown with its path (`fsync(5</a/b>)`); returns the run and the trace's lines."""
+    r = subprocess.run([STRACE, "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace), "-e",
+                        f"trace={FILE_CALLS}", *cmd], capture_output=True, text=True, **run_kw)
+    return r, trace.read_text().splitlines() if trace.exists() else []

@@ -1,7 +1,6 @@
 """Data pipeline: tokenizers, text files, token shards, prepare, exact resumable loading, bad input."""
 import json
 import re
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from helpers import entries, run_main, run_ranks
+from helpers import STRACE, entries, run_main, run_ranks, traced
 
 DOCS = ["héllo wörld, the first document.", "второй документ", "第三个文件 and some ascii", "four " * 40]
 
@@ -168,7 +167,7 @@ def test_prepare_writes_shards_that_the_tokens_dataset_reads(hf_tokenizer_file, 
                           np.concatenate([[tok.bos_id], tok.encode(DOCS[3]), [tok.eos_id]]))
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch prepare's file-system calls")
+@pytest.mark.skipif(STRACE is None, reason="needs strace to watch prepare's file-system calls")
 def test_prepare_syncs_the_new_shards_to_the_disk_before_the_old_ones_go(tmp_path):
     """--overwrite replaces an earlier prepare's shards: every new file and the staging folder are synced before
     the first one is moved in, and the output folder before the old files are deleted, so a crash of the machine
@@ -178,12 +177,8 @@ def test_prepare_syncs_the_new_shards_to_the_disk_before_the_old_ones_go(tmp_pat
     cmd = [sys.executable, "-m", "titan_te.data.prepare", f"--input={corpus}", f"--output={out}", "--tokenizer=byte",
            "--shard_tokens=64"]
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
-    trace = tmp_path / "strace.log"
-    r = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace), "-e",
-                        "trace=fsync,rename,renameat,renameat2,unlink,unlinkat", *cmd, "--overwrite"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r, lines = traced([*cmd, "--overwrite"], tmp_path / "strace.log", timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    lines = trace.read_text().splitlines()
     out, staging = out.resolve(), (out / ".prepare-staging").resolve()
     moved_in = next(i for i, x in enumerate(lines) if "rename" in x and f'"{staging}/' in x)
     synced = {m for x in lines[:moved_in] for m in re.findall(r"fsync\(\d+<([^>]+)>", x)}

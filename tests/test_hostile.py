@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import entries, free_port, run_main
+from helpers import STRACE, entries, free_port, run_main, traced
 
 from conftest import ROOT
 
@@ -1051,7 +1051,7 @@ def test_export_replaces_an_earlier_export_whole_and_refuses_other_folders(run, 
     assert (mine / "config.json").read_text() == "{}"
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch the export's file-system calls")
+@pytest.mark.skipif(STRACE is None, reason="needs strace to watch the export's file-system calls")
 def test_export_syncs_the_new_export_to_the_disk_before_the_earlier_one_goes(run, tmp_path):
     """Replacing an earlier export: the new files and their folder are synced before the folder is moved in, and
     the parent folder before the earlier export is deleted (watched by strace on the real tool)."""
@@ -1062,13 +1062,9 @@ def test_export_syncs_the_new_export_to_the_disk_before_the_earlier_one_goes(run
     ck, out = run / "debug/checkpoint", tmp_path / "hf"
     cmd = [sys.executable, "-m", "titan_te.export", "--checkpoint", str(ck / "step-2"), "--out", str(out)]
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT).returncode == 0
-    trace = tmp_path / "strace.log"
-    r = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace), "-e",
-                        "trace=fsync,rename,renameat,renameat2,unlink,unlinkat", *cmd[:4], str(ck / "step-4"),
-                        *cmd[5:]], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r, lines = traced([*cmd[:4], str(ck / "step-4"), *cmd[5:]], tmp_path / "strace.log", timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "titan_te_export.json").read_text())["checkpoint"].endswith("step-4")
-    lines = trace.read_text().splitlines()
     parent = out.resolve().parent
     moved_in = next(i for i, x in enumerate(lines) if "rename" in x and f'"{parent}/.hf.export-' in x
                     and f'"{parent}/hf"' in x and "export-old" not in x)

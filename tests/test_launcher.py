@@ -2,7 +2,6 @@
 workers that die with the launcher, one trainer per run folder, the run's own log file."""
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import entries
+from helpers import STRACE, entries, traced
 
 from conftest import ROOT
 
@@ -156,22 +155,18 @@ def test_two_rank_async_run_lands_every_save_and_logs_to_the_run_folder(tmp_path
     assert "[rank1]" not in r.stdout  # LOG_RANK=0 shows rank 0 only
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch the run's file-system calls")
+@pytest.mark.skipif(STRACE is None, reason="needs strace to watch the run's file-system calls")
 def test_a_save_is_on_the_disk_before_retention_deletes_the_older_one(tmp_path):
     """A machine that crashes (not only the process) right after a save must find that save whole: the real run,
     watched by strace, syncs the manifest and the save's folder, renames it, syncs the checkpoint folder, and
     only then deletes the older checkpoint (keep_latest_k = 1). Unsynced, a crash could leave the newest save
     with an empty manifest after the only older one was deleted."""
-    trace = tmp_path / "strace.log"
     args = [f"--job.dump_folder={tmp_path}", "--training.steps=6", "--checkpoint.enable=true",
             "--checkpoint.interval=2", "--checkpoint.keep_latest_k=1", "--checkpoint.async_mode=async", *SMALL]
-    r = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace),
-                        "-e", "trace=fsync,rename,renameat,renameat2,unlink,unlinkat,rmdir", "./run_train.sh", *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=_env())
+    r, lines = traced(["./run_train.sh", *args], tmp_path / "strace.log", cwd=ROOT, timeout=240, env=_env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     ck = (tmp_path / "debug/checkpoint").resolve()
     assert _steps(ck) == ["step-6"]
-    lines = trace.read_text().splitlines()
 
     def first(after: int, test) -> int:
         return next((i for i, line in enumerate(lines) if i > after and test(line)), len(lines))
