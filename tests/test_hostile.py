@@ -423,6 +423,8 @@ CHECKPOINT_CASES = {
                     "__0_0.distcp differs from what was saved"),
     "file-of-another-step": (lambda ck: shutil.copy(_first(ck / "step-2", "*.distcp"), _first(ck / "step-4", "*.distcp")),
                              ["--training.steps=6"], "a damaged file, or one copied from another checkpoint"),
+    "later-format": (lambda ck: _set_manifest(ck / "step-4", format=2), ["--training.steps=6"],
+                     "step-4 was written by a later titan_te (checkpoint format 2; this one reads format 1 and older)"),
 }
 
 
@@ -585,6 +587,9 @@ def test_export_mistakes(run, capsys, tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
     _export(["--checkpoint", str(ck / "step-4"), "--out", str(a_file)], capsys, "is a file, not a folder")
+    _set_manifest(ck / "step-4", format=2)
+    _export(["--checkpoint", str(ck / "step-4"), "--out", str(out)], capsys, "was written by a later titan_te")
+    _set_manifest(ck / "step-4", format=1)
     for step in (2, 4):  # the copy's own run folder; manifests of an older titan_te (no export facts)
         _set_manifest(ck / f"step-{step}", run_folder=str(run / "debug"))
         manifest = json.loads((ck / f"step-{step}/titan_te.json").read_text())

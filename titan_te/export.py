@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_te import config as config_mod
 from titan_te.checkpoint import integrity
 from titan_te.checkpoint.errors import describe, is_unreadable_data
-from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir
+from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir, too_new
 from titan_te.data import TOKENIZERS
 from titan_te.durable import sync
 from titan_te.errors import ExportError
@@ -161,13 +161,15 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
     replaced whole), so a failure or a stop leaves `out` as it was."""
     if not (ckpt / ".metadata").is_file():
         raise ExportError(_not_a_checkpoint(ckpt))
-    if Manifest.read(ckpt) is None:
+    manifest = Manifest.read(ckpt)
+    if manifest is None:
         raise ExportError(f"{ckpt} is not a complete titan_te checkpoint (no readable {MANIFEST}: an interrupted "
                           f"save, or another tool's DCP folder)")
+    if newer := too_new(manifest, ckpt):
+        raise ExportError(newer)
     replacing = _check_out(out)
     try:
-        manifest = Manifest.read(ckpt)
-        integrity.verify(ckpt, manifest.files if manifest else {}, None)
+        integrity.verify(ckpt, manifest.files, None)
         state, from_masters = read_full_model(ckpt)
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if not is_unreadable_data(e):

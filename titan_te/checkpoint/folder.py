@@ -84,6 +84,14 @@ class Manifest:
                         for k, v in self.files.items()))  # checksums: {file: [size, checksum]}
 
 
+def too_new(m: Manifest, path: Path) -> str:
+    """Why this titan_te cannot read the checkpoint at `path` ("" when it can): a later titan_te's format."""
+    if m.format <= FORMAT:
+        return ""
+    return (f"{path} was written by a later titan_te (checkpoint format {m.format}; this one reads format {FORMAT} "
+            f"and older); resume or export it with that version")
+
+
 def new_lineage() -> str:
     return uuid.uuid4().hex[:12]
 

@@ -183,9 +183,9 @@ class CheckpointManager:
         if step is None:
             return plan
         m = found[step]
-        other = self._other_run(m)
-        if other:
-            plan["error"] = other
+        refused = fs.too_new(m, fs.step_dir(self.folder, step)) or self._other_run(m)
+        if refused:
+            plan["error"] = refused
             return plan
         plan["load"] = step
         if m.model_only:
