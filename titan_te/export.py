@@ -197,21 +197,20 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
 
 
 def _publish(staging: Path, out: Path, replacing: bool) -> None:
-    """Move the export in; its files are synced to the disk first, so a crash of the machine after an earlier
-    export was deleted cannot leave neither."""
+    """Move the export in, synced to the disk (its files, then the move) before an earlier export there is
+    deleted, so that a crash of the machine cannot lose both."""
     for f in staging.iterdir():
         sync(f)
     sync(staging)
-    if out.is_dir() and not replacing:
-        out.rmdir()  # empty (checked): the new folder takes its place
+    old = out.parent / f".{out.name}.export-old-{os.getpid()}"
     if replacing:
-        old = out.parent / f".{out.name}.export-old-{os.getpid()}"
         out.rename(old)
-        staging.rename(out)
-        sync(out.parent)
+    elif out.is_dir():
+        out.rmdir()  # empty (checked): the new folder takes its place
+    staging.rename(out)
+    sync(out.parent)
+    if replacing:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        staging.rename(out)
 
 
 def main(argv=None, exits_after: bool = False) -> int:
