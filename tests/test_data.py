@@ -507,6 +507,60 @@ def test_a_worker_the_kernel_ended_is_told_by_its_exit_status_when_torch_names_n
         stop_workers(loader)
 
 
+@pytest.mark.parametrize("where", ["console", "log file"])
+def test_a_worker_killed_while_a_line_is_logged_is_one_line_not_a_logging_error(where, capsys, tmp_path):
+    """torch's SIGCHLD handler raises wherever the main thread is; inside a log handler's write, logging printed
+    "--- Logging error ---" with a traceback and swallowed the error. A real worker, really killed, while the
+    console or the run's log file writes a line: the error reaches the trainer's one line."""
+    import logging
+    import os
+    import signal
+    import time
+
+    from titan_te.data.loader import build_dataloader, stop_workers
+    from titan_te.data.token_source import TokenSource
+    from titan_te.errors import OutOfMemory
+    from titan_te.logging_setup import ConsoleHandler
+    from titan_te.run_folder import LineFlushingFileHandler
+    from titan_te.trainer import _loader_workers_can_die
+
+    class KillsTheWorker:  # a stream whose write kills the loader's worker, then waits for the kernel's SIGCHLD
+        def __init__(self, pid):
+            self.pid = pid
+
+        def write(self, text):
+            os.kill(self.pid, signal.SIGKILL)
+            time.sleep(20)  # torch's SIGCHLD handler raises in here
+
+        def flush(self):
+            pass
+
+    source = TokenSource([np.arange(20_000) % 250], "x", 258, ["x"])
+    loader = build_dataloader(source, 16, 2, 0, 1, 0, True, 1, pin_memory=False)
+    it = iter(loader)
+    next(it)
+    pid = it._workers[0].pid
+    if where == "console":
+        handler = ConsoleHandler(KillsTheWorker(pid))
+    else:
+        handler = LineFlushingFileHandler(tmp_path / "rank0.log", encoding="utf-8")
+        handler.stream.close()
+        handler.stream = KillsTheWorker(pid)
+    log = logging.getLogger("titan_te.test_worker_death")
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(OutOfMemory, match=rf"data-loader worker \(pid {pid}\) was killed \(SIGKILL"):
+            with _loader_workers_can_die(loader):
+                log.warning("a line")
+        assert time.monotonic() - t0 < 15
+        assert "Logging error" not in capsys.readouterr().err
+    finally:
+        log.removeHandler(handler)
+        stop_workers(loader)
+
+
 def test_a_worker_killed_during_a_checkpoint_save_is_one_line_too():
     """torch's SIGCHLD handler raised inside DCP's save planner, which wrapped the error into its
     CheckpointException (a BaseException): the user got a traceback and exit 1 instead of one line and exit 4."""

@@ -10,6 +10,21 @@ import os
 import sys
 
 
+class SignalErrorsPass:
+    """A handler mixin: an error a signal handler raised into the main thread while a line was being written
+    (torch's RuntimeError when a data-loader worker dies) goes on to the code that logged the line, where the
+    trainer turns it into its one line, instead of being printed and swallowed as a "--- Logging error ---"."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 -- logging's name
+        if isinstance(sys.exc_info()[1], RuntimeError):
+            raise  # logging calls handleError inside its `except`: this re-raises that error
+        super().handleError(record)
+
+
+class ConsoleHandler(SignalErrorsPass, logging.StreamHandler):
+    pass
+
+
 def setup_logging() -> None:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     show = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip().isdigit()}
@@ -18,7 +33,7 @@ def setup_logging() -> None:
             print(f"warning: LOG_RANK={os.environ.get('LOG_RANK')} names no rank of this run ({world} "
                   f"process(es)); rank 0 prints", file=sys.stdout)
         show = {0}
-    handler = logging.StreamHandler(sys.stdout)
+    handler = ConsoleHandler(sys.stdout)
     prefix = f"[rank{rank}] " if world > 1 else ""
     handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
     handler.setLevel(logging.INFO if rank in show else logging.WARNING)

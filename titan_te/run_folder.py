@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from titan_te.errors import ConfigError, UserError
+from titan_te.logging_setup import SignalErrorsPass
 
 logger = logging.getLogger("titan_te")
 LOCK = ".lock"
@@ -97,7 +98,7 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
 
 
-class LineFlushingFileHandler(logging.FileHandler):
+class LineFlushingFileHandler(SignalErrorsPass, logging.FileHandler):
     """The run's log file: every line is on disk as soon as it is logged (a kill -9 loses nothing). A
     log file that stops taking lines (a full disk) is dropped with one warning on the console: the
     console keeps every line, and a run is never stopped by its own log."""
@@ -117,7 +118,7 @@ class LineFlushingFileHandler(logging.FileHandler):
         err = sys.exc_info()[1]
         if isinstance(err, OSError):
             self._give_up(err)
-        else:  # a formatting bug of ours: logging's own report
+        else:  # a signal's error goes on (SignalErrorsPass); a formatting bug of ours: logging's own report
             super().handleError(record)
 
     def _give_up(self, e: OSError) -> None:
