@@ -472,6 +472,45 @@ def test_closing_the_trainer_stops_its_loader_workers(tmp_path):
     assert not any(w.is_alive() for w in workers)  # stopped and joined by close(), nothing left to wait for
 
 
+def test_a_worker_killed_after_the_last_step_is_one_line_too(tmp_path):
+    """The workers live until close(): one that the kernel ends while the run reads its last values, waits for
+    its last save or logs its summary (here: a real worker killed while the summary line is written) is the
+    same one line, not a traceback."""
+    import logging
+    import os
+    import signal
+    import time
+
+    from helpers import make_cfg
+    from titan_te.errors import OutOfMemory
+    from titan_te.logging_setup import ConsoleHandler
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(make_cfg(tmp_path, training={"steps": 2}, data={"num_workers": 1}))
+
+    class KillsAtTheSummary:
+        def write(self, text):
+            if "done: step 2 of 2" in text:
+                os.kill(tr.dataloader._iterator._workers[0].pid, signal.SIGKILL)
+                time.sleep(20)  # torch's SIGCHLD handler raises in here
+
+        def flush(self):
+            pass
+
+    log = logging.getLogger("titan_te")
+    handler, level = ConsoleHandler(KillsAtTheSummary()), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with pytest.raises(OutOfMemory, match=r"data-loader worker \(pid \d+\) was killed \(SIGKILL"):
+            tr.train()
+        assert tr.state.step == 2
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        tr.close()
+
+
 @pytest.mark.parametrize("sig, expected", [("SIGKILL", "SIGKILL: the kernel's out-of-memory killer"),
                                            ("SIGBUS", "SIGBUS: out of shared memory in /dev/shm"),
                                            ("SIGSEGV", None)])  # a crash is a bug: it keeps its traceback

@@ -475,14 +475,15 @@ class Trainer:
                 if stop:
                     self.metrics.flush()
                     raise preempted(step, self.checkpointer.enabled)
-        self._read_step_values()
-        self.checkpointer.flush()
-        if self.state.step >= t.steps:
-            ck = self.checkpointer
-            saved = complete_steps(ck.folder) if ck.enabled else []
-            logger.info(self.metrics.summary(self.state.step, self.state.tokens_seen, self.tokens_per_step,
-                                             f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
-                                             "no checkpoints"))
+        with _loader_workers_can_die(self.dataloader):  # its workers live on until close()
+            self._read_step_values()
+            self.checkpointer.flush()
+            if self.state.step >= t.steps:
+                ck = self.checkpointer
+                saved = complete_steps(ck.folder) if ck.enabled else []
+                logger.info(self.metrics.summary(self.state.step, self.state.tokens_seen, self.tokens_per_step,
+                                                 f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved
+                                                 else "no checkpoints"))
         return self.losses
 
     def _read_step_values(self) -> None:
