@@ -472,6 +472,32 @@ def test_closing_the_trainer_stops_its_loader_workers(tmp_path):
     assert not any(w.is_alive() for w in workers)  # stopped and joined by close(), nothing left to wait for
 
 
+def test_other_errors_while_a_line_is_logged_stay_loggings(capsys):
+    """Only a worker's death passes the log handlers: "reentrant call" (our SIGTERM handler logging while the main
+    thread it interrupted was writing to the same stream) is reported by logging and the run goes on to the
+    save that SIGTERM asks for."""
+    import logging
+
+    from titan_te.logging_setup import ConsoleHandler
+
+    class Reentered:
+        def write(self, text):
+            raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+        def flush(self):
+            pass
+
+    log = logging.getLogger("titan_te.test_reentrant")
+    handler = ConsoleHandler(Reentered())
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        log.warning("received SIGTERM: finishing this step, then saving and exiting")  # returns
+    finally:
+        log.removeHandler(handler)
+    assert "--- Logging error ---" in capsys.readouterr().err
+
+
 def test_a_worker_killed_after_the_last_step_is_one_line_too(tmp_path):
     """The workers live until close(): one that the kernel ends while the run reads its last values, waits for
     its last save or logs its summary (here: a real worker killed while the summary line is written) is the

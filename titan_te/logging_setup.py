@@ -10,13 +10,21 @@ import os
 import sys
 
 
+# how torch's SIGCHLD handler and its data-queue wait name a loader worker that ended in their RuntimeError
+# (data/loader.py's worker_death reads the rest)
+WORKER_DEATH = "DataLoader worker (pid"
+
+
 class SignalErrorsPass:
-    """A handler mixin: an error a signal handler raised into the main thread while a line was being written
-    (torch's RuntimeError when a data-loader worker dies) goes on to the code that logged the line, where the
-    trainer turns it into its one line, instead of being printed and swallowed as a "--- Logging error ---"."""
+    """A handler mixin: torch's RuntimeError for a data-loader worker that died, raised into the main thread by
+    its SIGCHLD handler while a line was being written, goes on to the code that logged the line (the trainer
+    turns it into its one line) instead of being printed and swallowed as a "--- Logging error ---". Every
+    other error stays logging's: e.g. "reentrant call" when our SIGTERM handler logs while the interrupted
+    main thread was writing to the same stream, which must not stop the save that SIGTERM asks for."""
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 -- logging's name
-        if isinstance(sys.exc_info()[1], RuntimeError):
+        err = sys.exc_info()[1]
+        if isinstance(err, RuntimeError) and WORKER_DEATH in str(err):
             raise  # logging calls handleError inside its `except`: this re-raises that error
         super().handleError(record)
 
