@@ -555,13 +555,13 @@ def test_a_worker_the_kernel_ended_is_told_by_its_exit_status_when_torch_names_n
     it = iter(loader)
     next(it)
     worker = it._workers[0]
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise its own message here instead
-    os.kill(worker.pid, getattr(signal, sig))
-    deadline = time.monotonic() + 10
-    while worker.exitcode is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    err = RuntimeError(f"DataLoader worker (pid(s) {worker.pid}) exited unexpectedly")
+    torchs = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise its own message here instead
     try:
+        os.kill(worker.pid, getattr(signal, sig))
+        deadline = time.monotonic() + 10
+        while worker.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        err = RuntimeError(f"DataLoader worker (pid(s) {worker.pid}) exited unexpectedly")
         death = worker_death(err, loader)
         if expected is None:
             assert death is None
@@ -570,6 +570,7 @@ def test_a_worker_the_kernel_ended_is_told_by_its_exit_status_when_torch_names_n
                                            f"({expected}"), death.line()
     finally:
         stop_workers(loader)
+        signal.signal(signal.SIGCHLD, torchs)  # torch sets its handler once per process: later loaders need it back
 
 
 @pytest.mark.parametrize("where", ["console", "log file"])
