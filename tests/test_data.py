@@ -472,6 +472,26 @@ def test_closing_the_trainer_stops_its_loader_workers(tmp_path):
     assert not any(w.is_alive() for w in workers)  # stopped and joined by close(), nothing left to wait for
 
 
+class KillsTheWorker:
+    """A log stream whose write of a line holding `when` SIGKILLs a loader worker (`pid_of()`) and then waits for
+    the kernel's SIGCHLD, in which torch's handler raises its RuntimeError."""
+
+    def __init__(self, pid_of, when: str = ""):
+        self.pid_of, self.when = pid_of, when
+
+    def write(self, text):
+        import os
+        import signal
+        import time
+
+        if self.when in text:
+            os.kill(self.pid_of(), signal.SIGKILL)
+            time.sleep(20)  # torch's SIGCHLD handler raises in here
+
+    def flush(self):
+        pass
+
+
 def test_other_errors_while_a_line_is_logged_stay_loggings(capsys):
     """Only a worker's death passes the log handlers: "reentrant call" (our SIGTERM handler logging while the main
     thread it interrupted was writing to the same stream) is reported by logging and the run goes on to the
@@ -503,9 +523,6 @@ def test_a_worker_killed_after_the_last_step_is_one_line_too(tmp_path):
     its last save or logs its summary (here: a real worker killed while the summary line is written) is the
     same one line, not a traceback."""
     import logging
-    import os
-    import signal
-    import time
 
     from helpers import make_cfg
     from titan_te.errors import OutOfMemory
@@ -513,18 +530,9 @@ def test_a_worker_killed_after_the_last_step_is_one_line_too(tmp_path):
     from titan_te.trainer import Trainer
 
     tr = Trainer(make_cfg(tmp_path, training={"steps": 2}, data={"num_workers": 1}))
-
-    class KillsAtTheSummary:
-        def write(self, text):
-            if "done: step 2 of 2" in text:
-                os.kill(tr.dataloader._iterator._workers[0].pid, signal.SIGKILL)
-                time.sleep(20)  # torch's SIGCHLD handler raises in here
-
-        def flush(self):
-            pass
-
     log = logging.getLogger("titan_te")
-    handler, level = ConsoleHandler(KillsAtTheSummary()), log.level
+    handler = ConsoleHandler(KillsTheWorker(lambda: tr.dataloader._iterator._workers[0].pid, "done: step 2 of 2"))
+    level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
@@ -579,8 +587,6 @@ def test_a_worker_killed_while_a_line_is_logged_is_one_line_not_a_logging_error(
     "--- Logging error ---" with a traceback and swallowed the error. A real worker, really killed, while the
     console or the run's log file writes a line: the error reaches the trainer's one line."""
     import logging
-    import os
-    import signal
     import time
 
     from titan_te.data.loader import build_dataloader, stop_workers
@@ -590,28 +596,17 @@ def test_a_worker_killed_while_a_line_is_logged_is_one_line_not_a_logging_error(
     from titan_te.run_folder import LineFlushingFileHandler
     from titan_te.trainer import _loader_workers_can_die
 
-    class KillsTheWorker:  # a stream whose write kills the loader's worker, then waits for the kernel's SIGCHLD
-        def __init__(self, pid):
-            self.pid = pid
-
-        def write(self, text):
-            os.kill(self.pid, signal.SIGKILL)
-            time.sleep(20)  # torch's SIGCHLD handler raises in here
-
-        def flush(self):
-            pass
-
     source = TokenSource([np.arange(20_000) % 250], "x", 258, ["x"])
     loader = build_dataloader(source, 16, 2, 0, 1, 0, True, 1, pin_memory=False)
     it = iter(loader)
     next(it)
     pid = it._workers[0].pid
     if where == "console":
-        handler = ConsoleHandler(KillsTheWorker(pid))
+        handler = ConsoleHandler(KillsTheWorker(lambda: pid))
     else:
         handler = LineFlushingFileHandler(tmp_path / "rank0.log", encoding="utf-8")
         handler.stream.close()
-        handler.stream = KillsTheWorker(pid)
+        handler.stream = KillsTheWorker(lambda: pid)
     log = logging.getLogger("titan_te.test_worker_death")
     log.addHandler(handler)
     log.propagate = False

@@ -27,3 +27,10 @@ def sync(path: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def sync_folder(folder: Path) -> None:
+    """Sync every file of `folder`, then its entries: what a rename will publish whole."""
+    for f in Path(folder).iterdir():
+        sync(f)
+    sync(folder)

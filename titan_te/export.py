@@ -30,7 +30,7 @@ from titan_te.checkpoint import integrity
 from titan_te.checkpoint.errors import describe, is_unreadable_data
 from titan_te.checkpoint.folder import MANIFEST, Manifest, complete_steps, step_dir, too_new
 from titan_te.data import TOKENIZERS
-from titan_te.durable import sync
+from titan_te.durable import sync, sync_folder
 from titan_te.errors import ExportError
 from titan_te.hf_files import save_hf_folder
 from titan_te.models import MODELS
@@ -199,9 +199,7 @@ def export(ckpt: Path, out: Path, dtype_name: str) -> str:
 def _publish(staging: Path, out: Path, replacing: bool) -> None:
     """Move the export in, synced to the disk (its files, then the move) before an earlier export there is
     deleted, so that a crash of the machine cannot lose both."""
-    for f in staging.iterdir():
-        sync(f)
-    sync(staging)
+    sync_folder(staging)
     old = out.parent / f".{out.name}.export-old-{os.getpid()}"
     if replacing:
         out.rename(old)

@@ -432,7 +432,12 @@ class Trainer:
         A step's values (loss, grad norm, stop votes) stay on the device and are read after the next step has
         been queued (MetricsLogger), so the host never waits for the GPU between steps (except for validation,
         FP8 statistics and synchronous saves). A stop request is seen in the values of a step that every rank
-        reads at the same point, so all ranks stop after the same step, save it, and exit 75."""
+        reads at the same point, so all ranks stop after the same step, save it, and exit 75. A loader worker
+        the kernel ends anywhere in here (its workers live until close()) is one line."""
+        with _loader_workers_can_die(self.dataloader):
+            return self._train(until_step)
+
+    def _train(self, until_step: int | None) -> list[float]:
         t = self.cfg.training
         stop_at = min(until_step or t.steps, t.steps)
         if self.state.step >= t.steps:
@@ -441,8 +446,7 @@ class Trainer:
         else:
             logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
-        with SIGNALS.training(), self.profiler.loop(self.state.step + 1), \
-                _loader_workers_can_die(self.dataloader):
+        with SIGNALS.training(), self.profiler.loop(self.state.step + 1):
             self._data_iter = iter(self.dataloader)
             self.metrics.start_loop()
             while self.state.step < stop_at:
@@ -475,15 +479,14 @@ class Trainer:
                 if stop:
                     self.metrics.flush()
                     raise preempted(step, self.checkpointer.enabled)
-        with _loader_workers_can_die(self.dataloader):  # its workers live on until close()
-            self._read_step_values()
-            self.checkpointer.flush()
-            if self.state.step >= t.steps:
-                ck = self.checkpointer
-                saved = complete_steps(ck.folder) if ck.enabled else []
-                logger.info(self.metrics.summary(self.state.step, self.state.tokens_seen, self.tokens_per_step,
-                                                 f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved
-                                                 else "no checkpoints"))
+        self._read_step_values()
+        self.checkpointer.flush()
+        if self.state.step >= t.steps:
+            ck = self.checkpointer
+            saved = complete_steps(ck.folder) if ck.enabled else []
+            logger.info(self.metrics.summary(self.state.step, self.state.tokens_seen, self.tokens_per_step,
+                                             f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
+                                             "no checkpoints"))
         return self.losses
 
     def _read_step_values(self) -> None:

@@ -34,7 +34,7 @@ from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.errors import DataError
 from titan_te.data.shards import MANIFEST, ShardWriter, shard_files, write_manifest
 from titan_te.data.token_source import frame_document
-from titan_te.durable import sync
+from titan_te.durable import sync, sync_folder
 from titan_te.run_folder import LOCK, FolderLock, why
 from titan_te.paths import check_path
 from titan_te.tool_cli import OneLineParser, run_tool
@@ -233,9 +233,7 @@ def _publish(output: Path, staging: Path, old: list[Path]) -> None:
     """Swap the new shards in. prepare.json is the commit: the old one goes first and the new one last, so
     a folder is never read with a mix of runs (the `tokens` dataset refuses a folder without it). The new
     files are synced to the disk before the old ones go, so a crash of the machine cannot lose both."""
-    for p in staging.iterdir():
-        sync(p)
-    sync(staging)
+    sync_folder(staging)
     aside = output / OLD
     aside.mkdir(exist_ok=True)
     old = sorted(old, key=lambda p: p.name != MANIFEST)  # the old manifest first
