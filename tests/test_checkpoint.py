@@ -466,6 +466,28 @@ def test_a_resume_past_training_steps_says_there_is_nothing_to_train_and_keeps_t
     assert {p.name: p.stat().st_mtime_ns for p in ck.glob("step-*")} == before and "step-4" in before
 
 
+def test_a_rerun_without_checkpointing_says_it_starts_over_and_a_load_step_without_it_is_refused(tmp_path, capsys):
+    """A rerun that drops --checkpoint.enable=true trained from step 1 without a word; --checkpoint.load_step
+    without it was ignored."""
+    from helpers import run_main
+
+    argv = [f"--job.dump_folder={tmp_path}", "--training.seq_len=16", "--training.local_batch_size=2",
+            "--training.steps=2"]
+    assert run_main(capsys, [*argv, "--checkpoint.enable=true"]).returncode == 0
+    ck = tmp_path / "debug/checkpoint"
+    before = {p.name: p.stat().st_mtime_ns for p in ck.glob("step-*")}
+    r = run_main(capsys, argv)
+    assert r.returncode == 0, r.stderr
+    assert (f"checkpoint.enable = false: this run does not resume from the checkpoints in {ck} (newest: step 2) "
+            "and starts at step 1; set --checkpoint.enable=true to resume") in r.stdout
+    assert "training from step 1 to 2" in r.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in ck.glob("step-*")} == before == {"step-2": before["step-2"]}
+    r = run_main(capsys, [*argv, "--checkpoint.load_step=2"])
+    assert r.returncode == 2 and r.stderr == ("config error: checkpoint.load_step = 2 resumes a checkpoint, which "
+                                              "needs checkpoint.enable = true; set --checkpoint.enable=true, or leave "
+                                              "load_step out (in <defaults> or the command line)\n"), r.stderr
+
+
 def test_a_model_only_final_save_finishes_the_run_or_names_the_full_checkpoint(tmp_path):
     _go(tmp_path, 10, checkpoint={"last_save_model_only": True})
     ck = tmp_path / "t/checkpoint"

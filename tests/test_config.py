@@ -208,6 +208,41 @@ def test_an_option_the_chosen_optimizer_does_not_read_is_refused_and_help_says_w
     assert "--optimizer.beta1 (float" in out and "read by: adamw, fused_adam, te_fused_adam" in out
 
 
+def test_an_option_the_chosen_dataset_tokenizer_or_recipe_ignores_is_refused_unless_a_file_set_it_for_its_choice(
+        tmp_path, capsys):
+    """data.path with the embedded dataset trained on the embedded corpus without a word. Such an option is
+    refused on the command line and in a file; a file's option stays when the command line picks another
+    component, and a file that sets every option to its default (--print-config, the run folder's config.toml)
+    loads."""
+    with pytest.raises(C.ConfigError, match=re.escape("data.path is not an option of embedded")):
+        C.load(["--data.path=/data/shards"], hardware=False)
+    preset = tmp_path / "shards.toml"
+    preset.write_text('[data]\ndataset = "tokens"\npath = "/data/shards"\n\n[fp8]\nmargin = 1\n')
+    cfg, _ = C.load(["--config", str(preset), "--data.dataset=embedded", "--fp8.recipe=current"], hardware=False)
+    assert (cfg.data.dataset, cfg.data.path, cfg.fp8.margin) == ("embedded", "/data/shards", 1)
+    with pytest.raises(C.ConfigError, match=re.escape("fp8.margin is not an option of current, which reads none of the "
+                                                      "options that depend on fp8.recipe; fp8.margin is for delayed")):
+        C.load(["--config", str(preset), "--fp8.recipe=current", "--fp8.margin=2"], hardware=False)
+    for name in ("debug", "llama_fp8"):
+        printed = tmp_path / f"{name}.toml"
+        printed.write_text(C.to_toml(C.load(["--config", name], hardware=False)[0]))
+        again, _ = C.load(["--config", str(printed), "--fp8.recipe=current", "--optimizer.name=sgd"], hardware=False)
+        assert again.optimizer.name == "sgd" and again.data.tokenizer_path == ""
+    from titan_te.main import main
+
+    capsys.readouterr()
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for option, readers, not_readers in [("data.path", {"files", "hf", "tokens"}, {"embedded"}),
+                                         ("data.text_field", {"files", "hf"}, {"embedded", "tokens"}),
+                                         ("data.tokenizer_path", {"hf", "tiktoken"}, {"byte"}),
+                                         ("fp8.margin", {"delayed"}, {"current", "block"})]:
+        # (a component that another test registered without saying what it reads reads everything)
+        listed = set(re.search(rf"--{re.escape(option)} \(.*\n.*\n +read by: (.*)\n", out).group(1).split(", "))
+        assert readers <= listed and not not_readers & listed, (option, listed)
+    assert "--data.num_workers (int, default 0)\n      data-loader worker processes\n  --" in out  # every dataset
+
+
 def test_a_model_familys_own_rules_run_with_the_config(capsys):
     """Llama's rule (FP8 attention needs head_dim 128) is on its spec and runs before anything is built."""
     from titan_te.main import main

@@ -87,6 +87,7 @@ CLI = [
     ("--checkpoint.interval=0", "checkpoint.interval must be >= 1"),
     ("--checkpoint.load_step=-5", "checkpoint.load_step must be a step >= 1, or -1"),
     ("--checkpoint.load_step=0", "checkpoint.load_step must be a step >= 1, or -1"),
+    ("--checkpoint.load_step=7", "checkpoint.load_step = 7 resumes a checkpoint, which needs checkpoint.enable = true"),
     ("--checkpoint.exclude_from_loading=optimiser", "did you mean 'optimizer'"),
     ("--checkpoint.write_threads=0", "checkpoint.write_threads must be within [1, 64]"),
     ("--checkpoint.max_consecutive_failures=-1", "checkpoint.max_consecutive_failures must be >= 0"),
@@ -117,6 +118,12 @@ CLI = [
     ("--fp8.enable=true", "fp8.enable = true needs model.backend = 'te'"),
     ("--config", "--config needs"),
     ("--job.custom_import=no_such_module_xyz", "cannot import 'no_such_module_xyz'"),
+    # options the chosen dataset or tokenizer would ignore: the run trained on the embedded corpus, silently
+    # (the readers listed after these fragments include datasets that other tests register in this process)
+    ("--data.path=/data/shards", "data.path is not an option of embedded, which reads none of the options that "
+                                 "depend on data.dataset; data.path is for "),
+    ("--data.hf_split=validation", "data.hf_split is not an option of embedded"),
+    ("--data.tokenizer_path=tokenizer.json", "data.tokenizer_path is not an option of byte"),
 ]
 
 
@@ -154,6 +161,10 @@ TOML = [
      "checkpoint.exclude_from_loading is a list of str, got the element ['rng']"),
     ("[checkpoint]\nexclude_from_loading = [{a = 1}]\n", "checkpoint.exclude_from_loading is a list of str"),
     ("[profiling]\nmemory_snapshot_steps = [2, 1.5]\n", "profiling.memory_snapshot_steps is a list of int"),
+    # a path without its dataset, a delayed-scaling option under another recipe, Adam's moments for adamw
+    ("[data]\npath = \"/data/shards\"\n", "choose one with data.dataset, or leave data.path out (in "),
+    ("[fp8]\nrecipe = \"current\"\nmargin = 2\n", "fp8.margin is not an option of current"),
+    ("[optimizer]\nmoment_dtype = \"bfloat16\"\n", "optimizer.moment_dtype is not an option of adamw"),
 ]
 
 

@@ -7,6 +7,17 @@ from typing import Callable, Generic, Iterator, TypeVar
 T = TypeVar("T")
 
 
+def reading(*options: str) -> Callable[[T], T]:
+    """Mark a registered function or class with the options of its config section that it reads, of those that
+    only some components read (e.g. data.path: the files, tokens and hf datasets). The config refuses such an
+    option when the chosen component would ignore it, and --help lists who reads each."""
+    def mark(obj: T) -> T:
+        obj.reads = options  # type: ignore[attr-defined]
+        return obj
+
+    return mark
+
+
 class RegistryError(KeyError):
     """Raised for a name that is not registered; the message lists the valid names."""
 

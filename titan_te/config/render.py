@@ -27,8 +27,9 @@ def help_text(cfg: Config | None = None, source: str = "") -> str:
             here = f", {source}: {_toml_value(value)}" if cfg is not None and value != default else ""
             lines.append(f"  --{section}.{name} ({tp}, default {_toml_value(default)}{here})")
             lines.append(f"      {f.metadata['doc']}")
-            if section == "optimizer" and name != "name":
-                lines.append(f"      read by: {', '.join(readers(section, name)) or 'none'}")
+            readers_of = readers(section, name)
+            if readers_of is not None:
+                lines.append(f"      read by: {', '.join(readers_of) or 'none'}")
             if f.metadata.get("registry"):  # what is registered now, custom imports included
                 lines.append(f"      registered: {', '.join(_registry(f.metadata['registry']).names())}")
         for reg in _registry_fields(cls):  # the own options of registered components: [section.<name>]

@@ -123,36 +123,73 @@ def validate(cfg: Config, source: str, hardware: bool = True) -> None:
                         raise ConfigError(f"{key}: {reg.miss_message(str(item))} {where}")
     _check_values(cfg, where)
     _check_components(cfg, where)
-    _check_read_options(cfg, where)
+    _check_read_options(cfg)
     if hardware:
         from titan_te.hardware import check_hardware  # local import: keeps config light
 
         check_hardware(cfg, where)
 
 
-def _check_read_options(cfg: Config, where: str) -> None:
-    """An option typed on the command line that the chosen component does not read is a mistake (e.g.
-    --optimizer.beta1 with sgd); one set in a file may serve another choice (a preset, its optimizer
-    overridden) and stays."""
-    spec = _component_spec("optimizer", cfg.optimizer.name)
+CLI = "on the command line"
+
+
+def _choosers(section: str) -> list[tuple[str, Any]]:
+    """(option, registry) of each option of [section] that picks a registered component (optimizer.name,
+    data.dataset, data.tokenizer, fp8.recipe ...)."""
+    return [(name, _registry(f.metadata["registry"])) for name, f in _fields(sections()[section]).items()
+            if f.metadata.get("registry")]
+
+
+def _owned(registry) -> set[str]:
+    """The options its components say they read: each is read only by the components that list it. An option
+    no component lists (data.num_workers) is read whatever is chosen, as is every option by a component that
+    lists none (no `reads`)."""
+    return {key for name in registry.names() for key in (getattr(registry.get(name), "reads", None) or ())}
+
+
+def _reads(spec, registry) -> set[str]:
+    """The options of `registry`'s own that a component reads (all of them when it does not say)."""
     reads = getattr(spec, "reads", None)
-    if reads is None:
-        return
-    for key, set_where in cfg.origins.items():
-        section, name = key.split(".", 1)
-        if section == "optimizer" and name != "name" and name not in reads and set_where == "on the command line":
-            own = f"; its own options: [optimizer.{spec.name}]" if getattr(spec, "options", None) else ""
-            raise ConfigError(f"optimizer.{name} is not an option of {spec.name}, which reads "
-                              f"{', '.join('optimizer.' + r for r in reads)}{own} (on the command line)")
+    return _owned(registry) if reads is None else set(reads)
 
 
-def readers(section: str, key: str) -> list[str]:
-    """The registered components of [section] that read its option `key` (for --help)."""
-    out = []
-    for spec_ref in _registry_fields(sections()[section]):
-        reg = _registry(spec_ref)
-        out += [n for n in reg.names() if key in (getattr(reg.get(n), "reads", None) or (key,))]
-    return out
+def readers(section: str, key: str) -> list[str] | None:
+    """The registered components that read option `key` of [section]; None when every choice reads it."""
+    for _, reg in _choosers(section):
+        if key in _owned(reg):
+            return [n for n in reg.names() if key in _reads(reg.get(n), reg)]
+    return None
+
+
+def _default(section_cls: type, key: str) -> Any:
+    f = _fields(section_cls)[key]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+def _check_read_options(cfg: Config) -> None:
+    """An option that the chosen component does not read is a mistake that would go unnoticed
+    (--optimizer.beta1 with sgd; data.path with the embedded dataset trains on the embedded corpus). Refused
+    when typed on the command line, or set in the file to other than its default unless the command line chose
+    the component (a preset's options stay for the preset's own choice when the command line picks another)."""
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for chooser, reg in _choosers(section):
+            name = getattr(body, chooser)
+            spec = reg.get(name) if isinstance(name, str) and name in reg else None
+            reads = getattr(spec, "reads", None)
+            if reads is None:
+                continue
+            for key in sorted(_owned(reg) - set(reads)):
+                set_where = cfg.origins.get(f"{section}.{key}")
+                if set_where is None or (set_where != CLI and (cfg.origins.get(f"{section}.{chooser}") == CLI
+                                                                 or getattr(body, key) == _default(cls, key))):
+                    continue
+                own = f"; its own options: [{section}.{name}]" if getattr(spec, "options", None) else ""
+                what = (", ".join(f"{section}.{r}" for r in reads)
+                        or f"none of the options that depend on {section}.{chooser}")
+                raise ConfigError(f"{section}.{key} is not an option of {name}, which reads {what}{own}; "
+                                  f"{section}.{key} is for {', '.join(readers(section, key) or [])}: choose one with "
+                                  f"{section}.{chooser}, or leave {section}.{key} out ({set_where})")
 
 
 def _check_field(key: str, f: dataclasses.Field, value: Any, where: str) -> None:
@@ -241,6 +278,9 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
                           f"{cfg.checkpoint.load_step} {where}")
+    if cfg.checkpoint.load_step != -1 and not cfg.checkpoint.enable:  # it would train from step 1, silently
+        raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes a checkpoint, which needs "
+                          f"checkpoint.enable = true; set --checkpoint.enable=true, or leave load_step out {where}")
 
 
 def _check_block_indices(cfg: Config, flavor_layers: int | None, where: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from titan_te.data import DATASETS
 from titan_te.data.token_source import TokenSource, join_documents
+from titan_te.registry import reading
 
 CORPUS_BYTES = 6 * 2**20
 
@@ -41,5 +42,6 @@ def stdlib_documents(limit: int = CORPUS_BYTES):
 
 
 @DATASETS.register("embedded")
+@reading()  # none of data.path, data.text_field, data.hf_*
 def build_embedded(dcfg, tokenizer) -> TokenSource:
     return TokenSource([join_documents(stdlib_documents(), tokenizer)], "embedded:stdlib", tokenizer.vocab_size)

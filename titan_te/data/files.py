@@ -14,11 +14,13 @@ from titan_te.data import DATASETS
 from titan_te.data.documents import iter_documents, resolve_files
 from titan_te.errors import DataError
 from titan_te.data.token_source import TokenSource, join_documents
+from titan_te.registry import reading
 
 logger = logging.getLogger("titan_te")
 
 
 @DATASETS.register("files")
+@reading("path", "text_field")
 def build_files(dcfg, tokenizer) -> TokenSource:
     files = resolve_files(dcfg.path)
     t0 = time.perf_counter()

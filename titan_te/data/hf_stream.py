@@ -17,6 +17,7 @@ from __future__ import annotations
 from titan_te.data import DATASETS
 from titan_te.data.hf_access import open_stream
 from titan_te.errors import DataError
+from titan_te.registry import reading
 
 
 class HFStreamSource:
@@ -46,4 +47,5 @@ class HFStreamSource:
         return HFSequences(self.dcfg, self.tokenizer, seq_len, dp_rank, dp_world, seed, shuffle)
 
 
-DATASETS.register("hf")(HFStreamSource)
+DATASETS.register("hf")(reading("path", "text_field", "hf_subset", "hf_split", "hf_data_files",
+                                  "hf_shuffle_buffer")(HFStreamSource))

@@ -17,6 +17,7 @@ import numpy as np
 from titan_te.data import DATASETS
 from titan_te.errors import DataError, unreadable
 from titan_te.data.token_source import TokenSource
+from titan_te.registry import reading
 
 FORMAT = "titan_te.tokens/1"
 
@@ -180,6 +181,7 @@ def open_shards(folder: Path, split: str, tokenizer, manifest: dict) -> TokenSou
 
 
 @DATASETS.register("tokens")
+@reading("path")
 def build_tokens(dcfg, tokenizer) -> TokenSource:
     folder = Path(dcfg.path)
     if not dcfg.path or not folder.is_dir():

@@ -21,6 +21,7 @@ import numpy as np
 
 from titan_te.data import TOKENIZERS
 from titan_te.errors import DataError, unreadable
+from titan_te.registry import reading
 
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>")
 EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
@@ -206,9 +207,11 @@ class TiktokenTokenizer:
         return self.enc.decode([int(i) for i in ids])
 
 
-TOKENIZERS.register("byte")(lambda dcfg: ByteTokenizer())
-TOKENIZERS.register("hf")(lambda dcfg: HFTokenizer(_tokenizer_file(dcfg, "a tokenizer.json file or its folder")))
-TOKENIZERS.register("tiktoken")(lambda dcfg: TiktokenTokenizer(_tokenizer_file(dcfg, "a tiktoken .model file")))
+TOKENIZERS.register("byte")(reading()(lambda dcfg: ByteTokenizer()))
+TOKENIZERS.register("hf")(reading("tokenizer_path")(
+    lambda dcfg: HFTokenizer(_tokenizer_file(dcfg, "a tokenizer.json file or its folder"))))
+TOKENIZERS.register("tiktoken")(reading("tokenizer_path")(
+    lambda dcfg: TiktokenTokenizer(_tokenizer_file(dcfg, "a tiktoken .model file"))))
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:

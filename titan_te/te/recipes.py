@@ -18,14 +18,16 @@ class RecipeSpec:
     # the compute capability from which TE runs attention itself in FP8 under this recipe (fp8.attention,
     # cuDNN's FP8 kernels); None: never
     fp8_attention: tuple[int, int] | None = None
+    reads: tuple[str, ...] = ()  # the [fp8] options of only some recipes that this one reads (delayed scaling's)
 
 
 RECIPES: Registry[RecipeSpec] = Registry("fp8 recipe")
 
 
-def recipe(name: str, min_cc: tuple[int, int], fp8_attention: tuple[int, int] | None = None):
+def recipe(name: str, min_cc: tuple[int, int], fp8_attention: tuple[int, int] | None = None,
+           reads: tuple[str, ...] = ()):
     def add(build):
-        RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention))
+        RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention, reads))
         return build
 
     return add
@@ -37,7 +39,7 @@ def _format(fcfg):
     return getattr(Format, fcfg.fp8_format)
 
 
-@recipe("delayed", (8, 9), fp8_attention=(9, 0))
+@recipe("delayed", (8, 9), fp8_attention=(9, 0), reads=("amax_history_len", "amax_compute_algo", "margin"))
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 
