@@ -116,6 +116,9 @@ CLI = [
     ("--training.device=cuda", "pip install --no-build-isolation 'transformer_engine[pytorch]'"),
     ("--model.backend=te", "model.backend = 'te'"),
     ("--fp8.enable=true", "fp8.enable = true needs model.backend = 'te'"),
+    # TE's optimizer imported TE while the optimizer was built: a ModuleNotFoundError traceback
+    ("--optimizer.name=te_fused_adam", "optimizer.name = 'te_fused_adam' cannot run here: Transformer Engine's "
+                                       "FusedAdam runs on a CUDA GPU only; use --optimizer.name=adamw or"),
     ("--config", "--config needs"),
     ("--job.custom_import=no_such_module_xyz", "cannot import 'no_such_module_xyz'"),
     # options the chosen dataset or tokenizer would ignore: the run trained on the embedded corpus, silently
@@ -129,7 +132,7 @@ CLI = [
 
 @pytest.mark.parametrize("arg, fragment", CLI, ids=[c[0][:60] for c in CLI])
 def test_command_line_mistakes(arg, fragment, capsys, tmp_path, monkeypatch):
-    if arg.startswith("--training.device") or arg.startswith("--model.backend=te") or arg.startswith("--fp8.enable"):
+    if arg.startswith(("--training.device", "--model.backend=te", "--fp8.enable", "--optimizer.name=te_fused_adam")):
         import torch
 
         if torch.cuda.is_available():

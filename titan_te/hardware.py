@@ -20,6 +20,17 @@ def resolve_backend(choice: str, device: str, family_backends: tuple[str, ...] |
     return "te" if te else "torch"
 
 
+def _check_optimizer(name: str, device: str, where: str) -> None:
+    from titan_te.errors import ConfigError
+    from titan_te.optim import OPTIMIZERS
+
+    reason = OPTIMIZERS.get(name).unavailable(device)
+    if reason:
+        usable = [n for n in OPTIMIZERS.names() if not OPTIMIZERS.get(n).unavailable(device)]
+        raise ConfigError(f"optimizer.name = '{name}' cannot run here: {reason}; use "
+                          f"{' or '.join('--optimizer.name=' + n for n in usable)} {where}")
+
+
 def check_hardware(cfg, where: str) -> None:
     from titan_te.errors import ConfigError
     from titan_te.layers import BACKENDS
@@ -46,6 +57,7 @@ def check_hardware(cfg, where: str) -> None:
                           f"(runs on CPU and GPU) {where}")
     if spec.needs_cuda and device != "cuda":
         raise ConfigError(f"model.backend = '{backend}' needs training.device = cuda; use {portable} {where}")
+    _check_optimizer(cfg.optimizer.name, device, where)
     if not cfg.fp8.enable:
         return
     if not spec.fp8:

@@ -35,6 +35,8 @@ class OptimizerSpec:
     # facts(optimizer_cfg, its own options or None) -> what its checkpointed state depends on (kept in the
     # manifest, checked on resume)
     facts: Callable = adam_facts
+    # unavailable(device) -> why it cannot run on `device` ("cpu" or "cuda") on this machine; "" when it can
+    unavailable: Callable[[str], str] = lambda device: ""
 
 
 OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer")

@@ -7,6 +7,7 @@ from titan_te.init_weights import local_tensor
 from titan_te.optim import LEAN_ADAM, OPTIMIZERS, OptimizerSpec
 from titan_te.optim.param_groups import decay_groups
 from titan_te.te import kernels, tensors
+from titan_te.te.layers import te_unavailable_reason
 
 
 def build_te_fused_adam(named_params, ocfg, device_type: str):
@@ -23,5 +24,9 @@ def build_te_fused_adam(named_params, ocfg, device_type: str):
     return opt
 
 
+def _unavailable(device: str) -> str:
+    return "Transformer Engine's FusedAdam runs on a CUDA GPU only" if device != "cuda" else te_unavailable_reason()
+
+
 OPTIMIZERS.register("te_fused_adam")(OptimizerSpec(name="te_fused_adam", build=build_te_fused_adam,
-                                                     reads=LEAN_ADAM))
+                                                     reads=LEAN_ADAM, unavailable=_unavailable))
