@@ -469,18 +469,33 @@ DAMAGED_MANIFESTS = {
 }  # the other shapes of damage: tests/test_fuzz.py, on Manifest.read alone
 
 
-@pytest.mark.parametrize("case", list(DAMAGED_MANIFESTS))
-def test_a_damaged_manifest_is_not_ours_the_previous_checkpoint_resumes_and_nothing_is_deleted(case, run, capsys):
+def _damage_manifest(change):
+    def damage(ck: Path) -> None:
+        path = ck / "step-4/titan_te.json"
+        path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    return damage
+
+
+DAMAGED_STEP_FOLDERS = {
+    **{case: (_damage_manifest(change), "no readable titan_te.json") for case, change in DAMAGED_MANIFESTS.items()},
+    "manifest-of-step-2": (_damage_manifest(lambda m: {**m, "step": 2}), "its titan_te.json is of step 2"),
+    # skipped without a word: the run went back to step 2 silently
+    "no-dcp-metadata": (lambda ck: (ck / "step-4/.metadata").unlink(), "no DCP .metadata file"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED_STEP_FOLDERS))
+def test_a_damaged_step_folder_is_not_ours_the_previous_checkpoint_resumes_and_nothing_is_deleted(case, run, capsys):
     from titan_te.main import main
 
     ck = run / "debug/checkpoint"
-    path = ck / "step-4/titan_te.json"
-    path.write_text(json.dumps(DAMAGED_MANIFESTS[case](json.loads(path.read_text()))))
+    damage, lacks = DAMAGED_STEP_FOLDERS[case]
+    damage(ck)
     before = _hashes(ck)
     capsys.readouterr()
     assert main([*SMALL, *CK, f"--job.dump_folder={run}", "--training.steps=6"]) == 0
     log = (run / "debug/logs/rank0.log").read_text()
-    assert f"ignoring {ck / 'step-4'}: not a complete titan_te checkpoint (no readable titan_te.json)" in log
+    assert f"ignoring {ck / 'step-4'}: not a complete titan_te checkpoint ({lacks})" in log
     assert "resume: from step-2" in log and "Traceback" not in capsys.readouterr().err
     aside = [p.name for p in ck.iterdir() if p.name.startswith("step-4.replaced-")]
     assert len(aside) == 1, entries(ck)  # the damaged folder is moved aside when step 4 is saved again, not deleted

@@ -107,10 +107,11 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def scan(folder: Path) -> tuple[dict[int, Manifest], list[Path]]:
-    """({step: manifest} of the complete checkpoints, step folders that are not checkpoints of ours)."""
+def scan(folder: Path) -> tuple[dict[int, Manifest], list[tuple[Path, str]]]:
+    """({step: manifest} of the complete checkpoints, [(step folder, what it lacks)] of the step folders that are
+    not complete checkpoints of ours: a save in progress is a .tmp folder, so these are damaged or not ours)."""
     found: dict[int, Manifest] = {}
-    others: list[Path] = []
+    others: list[tuple[Path, str]] = []
     try:
         children = list(Path(folder).iterdir()) if Path(folder).is_dir() else []
     except OSError:
@@ -119,11 +120,15 @@ def scan(folder: Path) -> tuple[dict[int, Manifest], list[Path]]:
         m = STEP_DIR.match(child.name)
         if not m:
             continue
-        manifest = Manifest.read(child) if _is_file(child / ".metadata") else None
+        if not _is_file(child / ".metadata"):
+            others.append((child, "no DCP .metadata file"))
+            continue
+        manifest = Manifest.read(child)
         if manifest is not None and manifest.step == int(m.group(1)):
             found[manifest.step] = manifest
-        elif _is_file(child / ".metadata"):
-            others.append(child)  # a DCP folder we did not write (or with a damaged manifest)
+        else:  # a DCP folder we did not write, or with a damaged manifest
+            others.append((child, f"no readable {MANIFEST}" if manifest is None else
+                           f"its {MANIFEST} is of step {manifest.step}"))
     return dict(sorted(found.items())), sorted(others)
 
 

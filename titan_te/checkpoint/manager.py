@@ -183,8 +183,7 @@ class CheckpointManager:
     def _plan(self) -> dict:
         """Rank 0: which checkpoint to load and whether that is safe for the newer ones."""
         found, others = fs.scan(self.folder)
-        warnings = [f"checkpoint: ignoring {p}: not a complete titan_te checkpoint (no readable {fs.MANIFEST})"
-                    for p in others]
+        warnings = [f"checkpoint: ignoring {p}: not a complete titan_te checkpoint ({lacks})" for p, lacks in others]
         plan = {"load": None, "lineage": fs.new_lineage(), "error": None, "warnings": warnings,
                 "set_aside": [], "finished": False, "restores_step": False}
         want = self.cfg.load_step
