@@ -504,6 +504,78 @@ def test_a_damaged_step_folder_is_not_ours_the_previous_checkpoint_resumes_and_n
         {k: v for k, v in before.items() if k.startswith("step-4/")}
 
 
+def _damage_at_random(path: Path, pick) -> str:
+    """One of the ways a file of a checkpoint gets damaged, chosen by `pick`; returns its name."""
+    how = pick.choice(["truncate", "flip", "delete", "empty", "folder", "garbage", "append"])
+    size = path.stat().st_size
+    if how == "truncate":
+        os.truncate(path, pick.randrange(max(size, 1)))
+    elif how == "flip" and size:
+        data = bytearray(path.read_bytes())
+        for _ in range(pick.randint(1, 8)):
+            data[pick.randrange(size)] ^= 1 << pick.randrange(8)
+        path.write_bytes(bytes(data))
+    elif how in ("delete", "folder"):
+        path.unlink()
+        if how == "folder":
+            path.mkdir()
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "garbage":
+        path.write_bytes(bytes(pick.randrange(256) for _ in range(pick.randint(1, 200))))
+    else:
+        path.write_bytes(path.read_bytes() + b"xx")
+    return how
+
+
+def test_checkpoint_files_damaged_at_random_are_named_or_skipped_never_a_traceback(saved_run, tmp_path, capsys):
+    """20 times, one file of step-2 or step-4 damaged at random (truncated, bits flipped, deleted, emptied, a folder
+    in its place, garbage, bytes appended): the rerun either stops in one `checkpoint error:` line that names the
+    damaged step, or resumes from an intact checkpoint and says which folder it ignored; no file of a checkpoint is
+    deleted (a damaged folder is moved aside when its step is saved again). A random search found that a step
+    folder without DCP's .metadata was skipped without a word."""
+    import random
+
+    from titan_te.main import main
+
+    pick = random.Random(20261206)  # its own generator: a run seeds the global one
+    outcomes = {"refused": 0, "resumed from step-4": 0, "resumed from step-2": 0}
+    files = sorted(p.relative_to(saved_run / "debug/checkpoint") for p in (saved_run / "debug/checkpoint").rglob("*")
+                   if p.is_file() and p.name != ".lock")
+    for i in range(20):
+        run = tmp_path / str(i)
+        shutil.copytree(saved_run / "debug", run / "debug")
+        ck = run / "debug/checkpoint"
+        target = pick.choice(files)
+        how = _damage_at_random(ck / target, pick)
+        before = _hashes(ck)
+        capsys.readouterr()
+        code = main([*SMALL, *CK, f"--job.dump_folder={run}", "--training.steps=6"])
+        out, err = capsys.readouterr()
+        case = (str(target), how, code, err)
+        assert "Traceback" not in err and code in (0, 3), case
+        step = target.parts[0]
+        if code == 3:
+            assert err.count("\n") == 1 and err.startswith("checkpoint error: ") and step in err, case
+            assert _hashes(ck) == before, case  # a refused resume changes nothing
+            outcomes["refused"] += 1
+            continue
+        log = (run / "debug/logs/rank0.log").read_text()
+        resumed = "step-4" if "resume: from step-4" in log else "step-2"
+        assert f"resume: from {resumed}" in log, case
+        where = {"step-4": "step-4"}  # where each step folder's files are now
+        if resumed == "step-2":  # only when step-4 was the damaged one: named, and moved aside when step 4 was saved
+            assert step == "step-4" and f"ignoring {ck / 'step-4'}: not a complete titan_te checkpoint" in log, case
+            where["step-4"] = next(p.name for p in ck.iterdir() if p.name.startswith("step-4.replaced-"))
+        kept = _hashes(ck)
+        for name, digest in before.items():  # every file still there, with the same bytes
+            folder, _, rest = name.partition("/")
+            assert kept.get(f"{where.get(folder, folder)}/{rest}") == digest, (case, name)
+        outcomes[f"resumed from {resumed}"] += 1
+    assert all(outcomes.values()), outcomes  # each outcome was met
+    print(f"checkpoint damage: {outcomes}")
+
+
 def test_an_unreadable_step_folder_is_skipped_not_a_crash(run, capsys, monkeypatch):
     ck = run / "debug/checkpoint"
     before = _hashes(ck)
