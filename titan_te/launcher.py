@@ -37,6 +37,7 @@ DEFAULT_CONFIG = ROOT / "train_configs" / "debug.toml"
 READY_FD, LAUNCHER_PID = "TITAN_TE_READY_FD", "TITAN_TE_LAUNCHER_PID"  # how a worker tells it is ready
 GRACE_S = 30.0  # after one worker fails, how long the others may take to stop on their own
 TERM_S = 60.0  # then, after SIGTERM, how long before they are killed
+READ_REST_S = 5.0  # after the deciding worker exited, how long its last lines may take to reach the launcher
 PR_SET_PDEATHSIG = 1
 PROCS_PER_CPU = 4  # without a GPU per process, NGPU above this many per CPU core is refused as a slip
 
@@ -151,6 +152,7 @@ class Worker:
         self.rank = plan.node_rank * plan.nproc + local_rank
         self.shown = self.rank in plan.log_ranks
         self.tail: collections.deque = collections.deque(maxlen=20)
+        self.reader: threading.Thread | None = None
         out = None if self.shown else subprocess.PIPE
         ready_r, ready_w = os.pipe()
         env = {**plan.worker_env(local_rank), READY_FD: str(ready_w), LAUNCHER_PID: str(os.getpid())}
@@ -203,7 +205,15 @@ class Worker:
             for raw in self.proc.stdout:
                 self.tail.append(raw.decode(errors="replace").rstrip("\n"))
 
-        threading.Thread(target=read, daemon=True).start()
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+
+    def finish_reading(self, deadline: float) -> None:
+        """Wait (until `deadline`, monotonic) for the lines the worker wrote before it exited: its exit can be seen
+        before the reader has taken its last line from the pipe (a rank's one line was lost that way). A loader
+        worker that outlives it keeps the pipe open: hence the deadline."""
+        if self.reader is not None:
+            self.reader.join(max(0.0, deadline - time.monotonic()))
 
     def poll(self) -> bool:
         """True once the worker has exited (records its code, signals as 128 + N)."""
@@ -302,6 +312,7 @@ def run(argv: list[str]) -> int:
     forwarded = {128 + s for s in received}
     decider = exit_code(workers, forwarded)
     if decider is not None:
+        decider.finish_reading(time.monotonic() + READ_REST_S)
         _report(decider, workers, forwarded, plan.world)
     return decider.code if decider is not None else 0
 
