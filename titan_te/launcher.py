@@ -208,12 +208,12 @@ class Worker:
         self.reader = threading.Thread(target=read, daemon=True)
         self.reader.start()
 
-    def finish_reading(self, deadline: float) -> None:
-        """Wait (until `deadline`, monotonic) for the lines the worker wrote before it exited: its exit can be seen
-        before the reader has taken its last line from the pipe (a rank's one line was lost that way). A loader
-        worker that outlives it keeps the pipe open: hence the deadline."""
+    def finish_reading(self) -> None:
+        """Wait (READ_REST_S at most) for the lines the worker wrote before it exited: its exit can be seen before
+        the reader has taken its last line from the pipe (a rank's one line was lost that way). A loader worker
+        that outlives it keeps the pipe open: hence the bound."""
         if self.reader is not None:
-            self.reader.join(max(0.0, deadline - time.monotonic()))
+            self.reader.join(READ_REST_S)
 
     def poll(self) -> bool:
         """True once the worker has exited (records its code, signals as 128 + N)."""
@@ -312,7 +312,7 @@ def run(argv: list[str]) -> int:
     forwarded = {128 + s for s in received}
     decider = exit_code(workers, forwarded)
     if decider is not None:
-        decider.finish_reading(time.monotonic() + READ_REST_S)
+        decider.finish_reading()
         _report(decider, workers, forwarded, plan.world)
     return decider.code if decider is not None else 0
 

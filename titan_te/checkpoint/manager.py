@@ -111,10 +111,7 @@ class CheckpointManager:
     def _say_what_is_not_loaded(self) -> None:
         """Checkpointing off over a folder of checkpoints (a rerun without --checkpoint.enable=true): one warning
         before the run starts again at step 1, not a silent restart."""
-        try:
-            steps = fs.complete_steps(self.folder) if self.rank == 0 and self.folder.is_dir() else []
-        except OSError:  # a folder it cannot read: nothing it could have loaded either
-            steps = []
+        steps = fs.complete_steps(self.folder) if self.rank == 0 else []  # (an unreadable folder: none)
         if steps:
             logger.warning(f"checkpoint.enable = false: this run does not resume from the checkpoints in "
                            f"{self.folder} (newest: step {steps[-1]}) and starts at step 1; set "
