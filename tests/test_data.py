@@ -640,3 +640,58 @@ def test_a_worker_killed_during_a_checkpoint_save_is_one_line_too():
     with pytest.raises(CheckpointException):  # anything else inside a save keeps its traceback
         with _loader_workers_can_die(loader=None):
             raise other
+
+
+def test_the_workers_stop_before_the_last_save_is_awaited_and_one_killed_then_is_a_warning(monkeypatch, caplog,
+                                                                                            tmp_path):
+    """close() stops the loader's workers first, so no worker's death (torch raises it in the main thread) can
+    break into the wait for the last save; a real worker the kernel ended just then is a warning, the other
+    worker is stopped all the same, the run ends normally and its checkpoint is whole."""
+    import logging
+    import os
+    import signal
+    import time
+
+    import titan_te.trainer as trainer_mod
+    from helpers import make_cfg
+    from titan_te.checkpoint.folder import complete_steps
+    from titan_te.trainer import Trainer
+
+    def running(pid: int) -> bool:  # not ended (asked without reaping it: torch's handler must find it)
+        try:
+            return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # ended and reaped
+            return False
+
+    tr = Trainer(make_cfg(tmp_path, training={"steps": 2}, data={"num_workers": 2},
+                          checkpoint={"enable": True, "interval": 2, "async_mode": "async"}))
+    tr.train()
+    killed, other = (w.pid for w in tr.dataloader._iterator._workers)
+    running_at_save = []
+    close_checkpointer = tr.checkpointer.close
+    monkeypatch.setattr(tr.checkpointer, "close", lambda: (running_at_save.append(running(other)),
+                                                           close_checkpointer()))
+    real_stop = trainer_mod.stop_workers
+    torchs = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise as soon as the worker died
+
+    def stop_after_the_death(loader):  # torch's handler runs as the workers are about to stop, as the kernel's
+        signal.signal(signal.SIGCHLD, torchs)  # SIGCHLD would run it
+        torchs(signal.SIGCHLD, None)
+        real_stop(loader)
+
+    monkeypatch.setattr(trainer_mod, "stop_workers", stop_after_the_death)
+    try:
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while running(killed):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with caplog.at_level(logging.WARNING, logger="titan_te"):
+            tr.close()
+    finally:
+        signal.signal(signal.SIGCHLD, torchs)
+    assert running_at_save == [False]
+    assert [r.getMessage() for r in caplog.records if "killed" in r.getMessage()] == [
+        f"data-loader worker (pid {killed}) was killed (SIGKILL: the kernel's out-of-memory killer, as a rule) as "
+        f"the run ended; no step or save needed it"]
+    assert complete_steps(tmp_path / "t" / "checkpoint") == [2]

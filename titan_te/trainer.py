@@ -28,7 +28,7 @@ from titan_te import config as config_mod
 from titan_te.checkpoint import CheckpointManager, complete_steps, training_parts
 from titan_te.checkpoint.folder import checkpoint_folder, saved_global_batch
 from titan_te.data import DATASETS, TOKENIZERS
-from titan_te.data.loader import DataPosition, build_dataloader, stop_workers, worker_death
+from titan_te.data.loader import DataPosition, build_dataloader, ended_worker, stop_workers, worker_death
 from titan_te.data.tokenizers import padded_vocab
 from titan_te.hardware import resolve_backend, resolve_device
 from titan_te.init_weights import init_weights
@@ -530,13 +530,29 @@ class Trainer:
             self.metrics.write(fp8_stats(self.model, self.model_spec.fp8_stat_groups), step)
 
     def close(self) -> None:
+        """The loader's workers stop first: then no worker's death (torch raises it in the main thread, wherever
+        that is) can interrupt the wait for the last save. That save is awaited whatever happens before it."""
         try:
-            self.checkpointer.close()
-            self.metrics.close()
-            self.profiler.close()
+            try:
+                self._stop_loader_workers()
+            finally:
+                self.checkpointer.close()
+                self.metrics.close()
+                self.profiler.close()
         finally:
-            stop_workers(self.dataloader)
             self._release()
+
+    def _stop_loader_workers(self) -> None:
+        """A worker that the kernel ends while they stop (after the last step) cost nothing: a warning."""
+        try:
+            stop_workers(self.dataloader)
+        except RuntimeError as e:
+            ended = ended_worker(e, self.dataloader)
+            if ended is None:
+                raise
+            logger.warning(f"data-loader worker (pid {ended[0]}) was killed ({ended[1]}) as the run ended; no "
+                           f"step or save needed it")
+            stop_workers(self.dataloader)  # the others, if torch's word came before it began to stop them
 
     def _release(self) -> None:
         detach_log_file()

@@ -32,24 +32,30 @@ _KERNEL_SIGNALS = {signal.SIGKILL: "SIGKILL: the kernel's out-of-memory killer, 
                    signal.SIGBUS: "SIGBUS: out of shared memory in /dev/shm, where workers hand over their batches"}
 
 
-def worker_death(err: BaseException, loader) -> OutOfMemory | None:
-    """The user's one line for a loader worker that the kernel ended (torch raises it in the main thread,
-    wherever that is); None for anything else (a worker that crashed keeps its traceback)."""
+def ended_worker(err: BaseException, loader) -> tuple[int, str] | None:
+    """(pid, how) of the loader worker that the kernel ended, if `err` is torch's word for one (raised in the
+    main thread, wherever that is); None for anything else (a worker that crashed keeps its traceback)."""
     m = _WORKER_DEATH.search(str(err))
     if m is None:
         return None
     if m.group(1):
-        pid, how = int(m.group(1)), signal.SIGKILL if m.group(2) == "Killed" else signal.SIGBUS
-    else:  # which signal: the worker's exit status (torch waits on it without reaping it)
-        pids = {int(p) for p in m.group(3).replace(" ", "").split(",")}
-        ended = [(w.pid, -w.exitcode) for w in getattr(getattr(loader, "_iterator", None), "_workers", [])
-                 if w.pid in pids and w.exitcode is not None and -w.exitcode in _KERNEL_SIGNALS]
-        if not ended:
-            return None
-        pid, how = ended[0]
-    return OutOfMemory(f"data-loader worker (pid {pid}) was killed ({_KERNEL_SIGNALS[how]}); lower "
-                       f"data.num_workers, free host memory or enlarge /dev/shm, then rerun the same command to resume "
-                       f"from the newest checkpoint (the step it stopped in was not saved)")
+        return int(m.group(1)), _KERNEL_SIGNALS[signal.SIGKILL if m.group(2) == "Killed" else signal.SIGBUS]
+    # which signal: the worker's exit status (torch waits on it without reaping it)
+    pids = {int(p) for p in m.group(3).replace(" ", "").split(",")}
+    ended = [(w.pid, _KERNEL_SIGNALS[-w.exitcode]) for w in getattr(getattr(loader, "_iterator", None), "_workers", [])
+             if w.pid in pids and w.exitcode is not None and -w.exitcode in _KERNEL_SIGNALS]
+    return ended[0] if ended else None
+
+
+def worker_death(err: BaseException, loader) -> OutOfMemory | None:
+    """The user's one line for a loader worker that the kernel ended during training; None for anything else."""
+    ended = ended_worker(err, loader)
+    if ended is None:
+        return None
+    pid, how = ended
+    return OutOfMemory(f"data-loader worker (pid {pid}) was killed ({how}); lower data.num_workers, free host "
+                       f"memory or enlarge /dev/shm, then rerun the same command to resume from the newest "
+                       f"checkpoint (the step it stopped in was not saved)")
 
 
 @dataclass
