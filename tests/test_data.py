@@ -695,3 +695,28 @@ def test_the_workers_stop_before_the_last_save_is_awaited_and_one_killed_then_is
         f"data-loader worker (pid {killed}) was killed (SIGKILL: the kernel's out-of-memory killer, as a rule) as "
         f"the run ended; no step or save needed it"]
     assert complete_steps(tmp_path / "t" / "checkpoint") == [2]
+
+
+def test_the_trainer_closes_when_its_end_line_fails_to_be_written(monkeypatch, tmp_path):
+    """What raises while the run's end is logged (torch raises a worker's death wherever the main thread is) does
+    not skip close(): the last save is awaited, the workers stop and the run folder is free for the next run."""
+    import titan_te.trainer as trainer_mod
+    from helpers import make_cfg
+    from titan_te.errors import ConfigError
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp_path, training={"steps": 2}, data={"num_workers": 1})
+    tr = Trainer(cfg)
+
+    def breaks(text):
+        raise RuntimeError("raised while the end was logged")
+
+    monkeypatch.setattr(trainer_mod, "log_to_file", breaks)
+    with pytest.raises(RuntimeError, match="raised while the end was logged"):
+        with tr:
+            tr.train()
+            raise ConfigError("a user's mistake found after training")
+    assert not tr.dataloader._iterator._workers[0].is_alive()
+    monkeypatch.undo()
+    with Trainer(cfg) as again:  # the run folder's lock was released
+        assert again.state.step == 0

@@ -130,8 +130,10 @@ class Trainer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._log_end(exc_type, exc, tb)
-        self.close()
+        try:
+            self._log_end(exc_type, exc, tb)
+        finally:
+            self.close()
 
     @staticmethod
     def _log_end(exc_type, exc, tb) -> None:
