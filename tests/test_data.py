@@ -699,7 +699,8 @@ def test_the_workers_stop_before_the_last_save_is_awaited_and_one_killed_then_is
 
 def test_the_trainer_closes_when_its_end_line_fails_to_be_written(monkeypatch, tmp_path):
     """What raises while the run's end is logged (torch raises a worker's death wherever the main thread is) does
-    not skip close(): the last save is awaited, the workers stop and the run folder is free for the next run."""
+    not skip close(): the last save is awaited, the workers stop and the run folder is free for the next run; nor,
+    in a trainer that failed half-built, the release of the run folder."""
     import titan_te.trainer as trainer_mod
     from helpers import make_cfg
     from titan_te.errors import ConfigError
@@ -717,6 +718,13 @@ def test_the_trainer_closes_when_its_end_line_fails_to_be_written(monkeypatch, t
             tr.train()
             raise ConfigError("a user's mistake found after training")
     assert not tr.dataloader._iterator._workers[0].is_alive()
+
+    def data_refused(self, *sections):
+        raise ConfigError("data refused while the trainer was built")
+
+    monkeypatch.setattr(Trainer, "_data", data_refused)  # a trainer that fails half-built, the same way
+    with pytest.raises(RuntimeError, match="raised while the end was logged"):
+        Trainer(cfg)
     monkeypatch.undo()
-    with Trainer(cfg) as again:  # the run folder's lock was released
+    with Trainer(cfg) as again:  # the run folder's lock was released both times
         assert again.state.step == 0

@@ -122,8 +122,10 @@ class Trainer:
         try:
             self._build(cfg)
         except BaseException as e:
-            self._log_end(type(e), e, e.__traceback__)
-            self._release()
+            try:
+                self._log_end(type(e), e, e.__traceback__)
+            finally:
+                self._release()
             raise
 
     def __enter__(self) -> "Trainer":
