@@ -37,9 +37,14 @@ def single_process_losses(tmp_path_factory):
     return run_ranks(train_losses, 1, str(tmp_path_factory.mktemp("one")), "fsdp", 2, 4)[0]
 
 
-@pytest.mark.parametrize("dp", ["fsdp", "hsdp", "ddp"])
-def test_two_ranks_match_one_process_with_accumulation(dp, tmp_path, single_process_losses):
-    ranks = run_ranks(train_losses, 2, str(tmp_path), dp, 2, 4)
+@pytest.mark.parametrize("dp, local_bs", [("fsdp", 2), ("hsdp", 2), ("ddp", 2), ("fsdp", 1), ("ddp", 1)],
+                         ids=["fsdp", "hsdp", "ddp", "fsdp-accumulating", "ddp-accumulating"])
+def test_two_ranks_match_one_process_with_accumulation(dp, local_bs, tmp_path, single_process_losses):
+    """The same global batch of 4: on 2 ranks as one micro-batch of 2 each, or two micro-batches of 1 each. DDP
+    reduced param.grad after every micro-batch, so the next reduction summed the earlier micro-batches' reduced
+    gradients again from every rank (world size times too much of them): losses off from the second step, until
+    every micro-batch but the last ran in DDP's no_sync."""
+    ranks = run_ranks(train_losses, 2, str(tmp_path), dp, local_bs, 4)
     assert len(single_process_losses) == STEPS
     assert ranks[0] == ranks[1]  # every rank reports the global loss
     for a, b in zip(ranks[0], single_process_losses):

@@ -236,6 +236,7 @@ class Trainer:
         mp = mixed_precision(self.device_type, t.mixed_precision_param, t.mixed_precision_reduce)
         parallel = parallel_select(p, self.env.world_size)
         self.parallel = parallel.name
+        self._no_sync = parallel.no_sync
         train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model), self.fp8)
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
@@ -417,9 +418,11 @@ class Trainer:
         # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
         # whatever the split into ranks and micro-batches.
         loss_sum = torch.zeros((), device=self.device)
-        for mb in microbatches:
-            loss = self.loss_sum(mb["input"], mb["labels"]) / global_tokens
-            loss.backward()
+        for i, mb in enumerate(microbatches):
+            reduce_now = self._no_sync is None or i == len(microbatches) - 1  # the last reduces the local sum
+            with contextlib.nullcontext() if reduce_now else self._no_sync(self.train_model):
+                loss = self.loss_sum(mb["input"], mb["labels"]) / global_tokens
+                loss.backward()
             loss_sum += loss.detach()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, self.optimizer)
         self.optimizer.step()

@@ -16,6 +16,11 @@ class ParallelSpec:
     replicates: bool = False  # takes data_parallel_replicate_degree > 1 (a 2-D replicate x shard mesh)
     reduces_grads_itself: bool = False  # reduce-scatters param.grad in its own hooks (FSDP2)
     shards_params: bool = False  # each rank keeps 1/shard of every parameter, gathered before use (FSDP2)
+    # no_sync(model) -> a context whose forward and backward add to the local gradients without reducing them;
+    # every micro-batch of a step but the last runs in it. Needed where a reduction would re-reduce what an
+    # earlier micro-batch already reduced into param.grad (DDP, which sums here); None: each backward reduces
+    # only its own gradients (FSDP2 reduce-scatters them, then adds them to the sharded ones)
+    no_sync: Callable | None = None
     # the entry that may run in its place on a world of one rank (parallelism.unsharded_one_rank): FSDP
     # there only copies parameters into and gradients out of its buffers
     one_rank: str | None = None
