@@ -620,3 +620,33 @@ def test_a_checkpoint_resumes_under_another_data_parallel_kind(saved, loaded, tm
     second = run_ranks(_run, loaded[0], str(tmp_path), "disabled", None, extra(*loaded))
     assert second[0][0] == HALF
     assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5)
+
+
+def _random_layout(pick, world: int) -> dict:
+    """One random data-parallel layout of `world` ranks for the global batch of 4 (as micro-batches of 1 or 2)."""
+    kind = pick.choice(["fsdp", "hsdp", "ddp"] if world > 1 else ["fsdp", "ddp", "none"])
+    replicas = pick.choice([d for d in (1, 2, 4) if world % d == 0]) if kind == "hsdp" else 1
+    return {"parallelism": {"data_parallel": kind, "data_parallel_replicate_degree": replicas,
+                            "reshard_after_forward": pick.choice([True, False])},
+            "training": {"local_batch_size": pick.choice([b for b in (1, 2) if 4 % (b * world) == 0])},
+            "activation_checkpoint": {"mode": pick.choice(["none", "full", "every_n"])},
+            "data": {"num_workers": pick.choice([0, 1])}}
+
+
+def test_random_layouts_before_and_after_a_resume_train_on_the_uninterrupted_losses(tmp_path, reference):
+    """A random search over what a user may change between a run and its resume: the rank count, the
+    data-parallel kind and its degrees, micro-batch size (so gradient accumulation), resharding, activation
+    checkpointing and loader workers. Every resumed run gives the one-rank run's losses (this search found that
+    DDP with gradient accumulation on several ranks trained on a wrong gradient)."""
+    import random
+
+    pick = random.Random(20261206)
+    for case in range(3):
+        saved, loaded = pick.choice([1, 2, 4]), pick.choice([1, 2, 4])
+        before, after = _random_layout(pick, saved), _random_layout(pick, loaded)
+        folder = str(tmp_path / str(case))
+        first = run_ranks(_run, saved, folder, "disabled", HALF, before)
+        second = run_ranks(_run, loaded, folder, "disabled", None, after)
+        assert second[0][0] == HALF
+        assert first[0][1] + second[0][1] == pytest.approx(reference[1], abs=1e-5), (saved, before, loaded, after)
+        print(f"{saved} -> {loaded} ranks: {before} -> {after}")
