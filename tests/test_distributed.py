@@ -136,3 +136,28 @@ def test_the_shared_gpu_mode_on_the_cpu_says_it_has_no_effect(tmp_path, monkeypa
         tr.train()
     assert "parallel: fsdp on 1 rank(s) (dp_replicate 1 x dp_shard 1), device cpu; TITAN_TE_SHARE_GPU=1 has no " \
            "effect here (it puts the ranks of a GPU run on one GPU)" in caplog.text
+
+
+def validation_loss(rank, world, tmp, local_bs):
+    from titan_te.trainer import Trainer
+
+    cfg = make_cfg(tmp, world=world, training={"steps": 2, "local_batch_size": local_bs, "global_batch_size": 4,
+                                               "seq_len": 32},
+                   validation={"enable": True, "freq": 2, "steps": 3})
+    tr = Trainer(cfg)
+    tr.train()
+    loss = tr.validator.run(tr.train_model, tr.loss_sum)
+    tr.close()
+    return loss
+
+
+def test_the_validation_loss_is_the_same_on_any_number_of_ranks(tmp_path):
+    """validation.steps counts global batches, dealt to the ranks as training batches are: one rank, two ranks
+    and two ranks with accumulation evaluate the same held-out sequences (it counted batches per rank, so the
+    validation curve of a run resumed on other GPUs jumped: 4.34, 4.46 and 4.20 on 1, 2 and 4 ranks)."""
+    one = run_ranks(validation_loss, 1, str(tmp_path / "one"), 2)[0]
+    two = run_ranks(validation_loss, 2, str(tmp_path / "two"), 2)
+    accumulating = run_ranks(validation_loss, 2, str(tmp_path / "acc"), 1)
+    assert two[0] == two[1] and accumulating[0] == accumulating[1]
+    assert two[0] == pytest.approx(one, rel=1e-6) and accumulating[0] == pytest.approx(one, rel=1e-6), (one, two,
+                                                                                                       accumulating)

@@ -302,7 +302,7 @@ class Trainer:
                                      causal_flops_per_token=causal_flops_per_token(self.model_args, t.seq_len))
         self.profiler = Profiler(cfg.profiling, self.run_folder, self.device, env.rank)
         self.validator = None if val_source is None else Validator(
-            cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world,
+            cfg.validation, val_source, t.seq_len, t.local_batch_size, env.dp_rank, env.dp_world, self.global_batch,
             pin_memory=self.device_type == "cuda", device=self.device)
         self._stop_vote = torch.zeros((), device=self.device)  # 1 once this rank was asked to stop
         self._voted = False

@@ -126,7 +126,8 @@ class Data:
 class Validation:
     enable: bool = opt(False, "evaluate held-out data every `freq` steps (loss logged to console and TensorBoard)")
     freq: int = opt(100, "validate every N steps", bounds=Bounds(1))
-    steps: int = opt(10, "batches per validation (per data-parallel rank)", bounds=Bounds(1))
+    steps: int = opt(10, "global batches per validation (training.global_batch_size sequences each, the same "
+                         "for any number of ranks)", bounds=Bounds(1))
     hold_out_fraction: float = opt(0.01, "share of the training tokens held out when the dataset has no "
                                          "validation split of its own (tokens shards bring val-*)", bounds=Bounds(0, 1, low_open=True, high_open=True))
 
