@@ -581,8 +581,8 @@ def test_a_worker_the_kernel_ended_is_told_by_its_exit_status_when_torch_names_n
         signal.signal(signal.SIGCHLD, torchs)  # torch sets its handler once per process: later loaders need it back
 
 
-@pytest.mark.timeout(120)  # hung once at its first batch (the worker's feeder thread waiting for torch's shared-cache
-# lock, py-spy on 2026-12-06; not reproduced since): a failure in 2 minutes, not the suite's 15
+@pytest.mark.timeout(120)  # hung twice at its first batch in about 25 runs (2026-12-06, once on a heavily loaded
+# machine; by py-spy the worker's feeder thread waited for torch's shared-cache lock): a failure in 2 minutes
 @pytest.mark.parametrize("where", ["console", "log file"])
 def test_a_worker_killed_while_a_line_is_logged_is_one_line_not_a_logging_error(where, capsys, tmp_path):
     """torch's SIGCHLD handler raises wherever the main thread is; inside a log handler's write, logging printed
