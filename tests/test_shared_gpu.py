@@ -87,9 +87,9 @@ def test_full_weights_after_init_are_the_same_for_1_2_3_and_4_ranks(init, worlds
 
 
 # --- losses of N ranks x batch b track 1 rank x batch N*b ----------------------------------------------------
-def _losses(rank, world, tmp, local_batch, global_batch, fp8_params=True):
+def _losses(rank, world, tmp, local_batch, global_batch, fp8_params=True, data_parallel="fsdp"):
     tr = _trainer(tmp, world, training={"local_batch_size": local_batch, "global_batch_size": global_batch},
-                  fp8={"params": fp8_params})
+                  fp8={"params": fp8_params}, parallelism={"data_parallel": data_parallel})
     losses = tr.train()
     tr.close()
     return losses
@@ -106,14 +106,19 @@ def _losses(rank, world, tmp, local_batch, global_batch, fp8_params=True):
 TRACK = 0.02
 
 
-@pytest.mark.parametrize("world, fp8_params", [(2, True), (3, False), (4, True)], ids=["2", "3-bf16-weights", "4"])
-def test_n_ranks_track_one_rank_with_the_same_global_batch(world, fp8_params, tmp_path):
-    local, total = (1, world) if world != 3 else (2, 6)  # N ranks x b against 1 rank x N*b
+# `2-ddp-accumulating`: DDP's 2 ranks x 2 micro-batches of 1 against 1 rank x 4 (DDP reduced the gradient after every
+# micro-batch and re-summed the earlier ones until f272aec; the CPU suite holds the exact comparison).
+@pytest.mark.parametrize("world, fp8_params, local, total, data_parallel",
+                         [(2, True, 1, 2, "fsdp"), (3, False, 2, 6, "fsdp"), (4, True, 1, 4, "fsdp"),
+                          (2, True, 1, 4, "ddp")], ids=["2", "3-bf16-weights", "4", "2-ddp-accumulating"])
+def test_n_ranks_track_one_rank_with_the_same_global_batch(world, fp8_params, local, total, data_parallel, tmp_path):
+    """N ranks x b (x micro-batches) against 1 rank x the whole global batch."""
     one = run_ranks(_losses, 1, str(tmp_path / "one"), total, total, fp8_params)[0]
-    many = run_ranks(_losses, world, str(tmp_path / "many"), local, total, fp8_params)
+    many = run_ranks(_losses, world, str(tmp_path / "many"), local, total, fp8_params, data_parallel)
     gaps = [abs(a - b) / a for a, b in zip(one, many[0])]
     worst = max(gaps)
-    print(f"{world} ranks x {local} against 1 x {total}: relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
+    print(f"{world} ranks x {local} ({data_parallel}, {total // (world * local)} micro-batches) against 1 x {total}: "
+          f"relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
     assert all(r == many[0] for r in many)  # every rank logs the same global loss
     assert one[-1] < one[0] and worst < TRACK
 
