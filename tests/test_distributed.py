@@ -52,6 +52,25 @@ def test_two_ranks_match_one_process_with_accumulation(dp, local_bs, tmp_path, s
     assert single_process_losses[-1] < single_process_losses[0]
 
 
+def _warnings_of_a_ddp_trainer(rank, world, tmp):
+    import warnings
+
+    from titan_te.trainer import Trainer
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = Trainer(make_cfg(tmp, world=world, parallelism={"data_parallel": "ddp"}))
+        tr.train(until_step=1)
+    tr.close()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_ddp_prints_no_deprecation_warning(tmp_path):
+    """torch 2.13 deprecated DDP's `broadcast_buffers` with a FutureWarning that every DDP run printed."""
+    for caught in run_ranks(_warnings_of_a_ddp_trainer, 2, str(tmp_path)):
+        assert not [w for w in caught if "deprecated" in w], caught
+
+
 def test_initial_full_weights_identical_for_world_sizes_1_and_2(tmp_path):
     one = run_ranks(full_weights, 1, str(tmp_path / "a"))[0]
     two = run_ranks(full_weights, 2, str(tmp_path / "b"))

@@ -6,6 +6,8 @@ each entry below switches that off.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -60,10 +62,19 @@ def _sum_allreduce_hook(group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+def _no_buffer_sync_per_forward() -> dict:
+    """DDP's keyword that stops it broadcasting rank 0's buffers before every forward (ours, the rotary angles,
+    are the same on every rank): `forward_sync_buffers` where torch has it (2.13 on, where `broadcast_buffers`
+    prints a deprecation warning on every run), else `broadcast_buffers`."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def apply_ddp(model, env, pcfg, mp, units, fp8=None):
     model.to_empty(device=env.device)  # DDP needs real tensors to broadcast; init overwrites them
     ddp = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                  broadcast_buffers=False)
+                                  **_no_buffer_sync_per_forward())
     ddp.register_comm_hook(dist.group.WORLD, _sum_allreduce_hook)
     return ddp
 
