@@ -10,6 +10,7 @@ any number of ranks and workers: the run goes on with exactly the batches it wou
 """
 from __future__ import annotations
 
+import gc
 import re
 import signal
 import warnings
@@ -141,9 +142,28 @@ def stop_workers(loader) -> None:
         shutdown()
 
 
+class ForkSafeLoader(StatefulDataLoader):
+    """A StatefulDataLoader whose workers never collect the parent's garbage.
+
+    Workers are forked: each starts with a copy of every object of the trainer's process, garbage not yet collected
+    included. A worker's collector then runs the destructors of that garbage, and some cannot run in a forked child:
+    a gloo process group's waits forever (or aborts) on a condition variable whose waiters, gloo's threads, exist
+    only in the parent (the loader-start hang of the test suite, where earlier runs leave process groups in
+    reference cycles). Starting the iterator, which forks the workers, with every object frozen (gc.freeze, what
+    Python's documentation advises before a fork) keeps them out of the workers' collections; the parent unfreezes
+    them as soon as the workers are forked. (It also unfreezes objects frozen before by anyone else.)"""
+
+    def __iter__(self):
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            gc.unfreeze()
+
+
 def build_dataloader(source, seq_len: int, batch_size: int, dp_rank: int, dp_world: int, seed: int,
                      shuffle: bool, num_workers: int, pin_memory: bool,
-                     global_batch: int | None = None) -> StatefulDataLoader:
+                     global_batch: int | None = None) -> ForkSafeLoader:
     """`global_batch`: sequences per optimizer step over all ranks (default: one micro-batch per rank)."""
     global_batch = global_batch or batch_size * dp_world
     if global_batch % (batch_size * dp_world):
@@ -153,6 +173,5 @@ def build_dataloader(source, seq_len: int, batch_size: int, dp_rank: int, dp_wor
     else:  # token sources: packed by window index here
         ds = PackedSequences(source, seq_len, batch_size, dp_rank, dp_world, seed, shuffle, global_batch)
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated API
-    return StatefulDataLoader(ds, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
-                              prefetch_factor=4 if num_workers else None,
-                              persistent_workers=num_workers > 0)
+    return ForkSafeLoader(ds, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
+                          prefetch_factor=4 if num_workers else None, persistent_workers=num_workers > 0)
