@@ -181,9 +181,13 @@ def test_a_save_is_on_the_disk_before_retention_deletes_the_older_one(tmp_path):
         assert parent < deleted < len(lines), (step, manifest, folder, renamed, parent, deleted)
 
 
-def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(tmp_path):
+@pytest.mark.parametrize("workers", [0, 2], ids=["no-loader-workers", "2-loader-workers"])
+def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(workers, tmp_path):
+    """As Slurm preempts a job: SIGTERM to every process of the step, the data-loader workers too. torch's workers
+    die of a SIGTERM their parent did not send, and the trainer raised "DataLoader worker ... is killed by signal:
+    Terminated" in the middle of its step (a traceback, exit 1, no save) until the workers ignored stop signals."""
     args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--checkpoint.enable=true",
-            "--checkpoint.interval=100000", *SMALL]
+            "--checkpoint.interval=100000", f"--data.num_workers={workers}", *SMALL]
     proc = _start(args, NGPU=2)
     _wait_for(proc, "step      3")
     os.killpg(proc.pid, signal.SIGTERM)  # as Slurm does: the launcher and every worker get it

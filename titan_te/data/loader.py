@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titan_te.errors import DataError, OutOfMemory
+from titan_te.preemption import STOP_SIGNALS
 
 # torch's words when a loader worker ends: from its SIGCHLD handler, with the signal's name, or from a wait
 # on the data queue (no signal named)
@@ -140,6 +141,20 @@ def stop_workers(loader) -> None:
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+    for w in getattr(it, "_workers", []):
+        if w.is_alive():  # past its stop message and torch's SIGTERM (which workers ignore): not left behind
+            w.kill()
+            w.join(timeout=5)
+
+
+def _workers_ignore_stop_signals(worker_id: int) -> None:
+    """Each loader worker's first act (after torch's own signal handlers): ignore SIGTERM, SIGINT and SIGHUP.
+    Slurm's preemption signals every process of the job step and a terminal's Ctrl-C the whole process group;
+    torch's workers die of a SIGTERM their parent did not send, and the trainer then raised "DataLoader worker
+    ... is killed by signal: Terminated" in the middle of its step instead of finishing it and saving. The
+    trainer decides when to stop and stops its workers itself (stop_workers)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class ForkSafeLoader(StatefulDataLoader):
@@ -174,4 +189,5 @@ def build_dataloader(source, seq_len: int, batch_size: int, dp_rank: int, dp_wor
         ds = PackedSequences(source, seq_len, batch_size, dp_rank, dp_world, seed, shuffle, global_batch)
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated API
     return ForkSafeLoader(ds, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory,
-                          prefetch_factor=4 if num_workers else None, persistent_workers=num_workers > 0)
+                          prefetch_factor=4 if num_workers else None, persistent_workers=num_workers > 0,
+                          worker_init_fn=_workers_ignore_stop_signals)
