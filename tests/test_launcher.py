@@ -340,7 +340,8 @@ def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterru
     schedule = []
     for _ in range(5):
         ngpu, (sig, whom), after = rng.choice([1, 2]), rng.choice(STOPS), rng.uniform(1.0, 9.0)
-        proc = _start(run, NGPU=ngpu)
+        workers = rng.choice([0, 2])  # loader workers get the group's signals too
+        proc = _start([*run, f"--data.num_workers={workers}"], NGPU=ngpu)
         try:
             out, err = proc.communicate(timeout=after)
         except subprocess.TimeoutExpired:
@@ -351,12 +352,12 @@ def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterru
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
                 raise AssertionError(f"still running 180 s after {sig.name} to the {whom}: {schedule}, "
-                                     f"{(ngpu, after)}\n{out[-3000:]}\n{err[-2000:]}") from None
-        schedule.append((ngpu, sig.name, whom, round(after, 1), proc.returncode))
+                                     f"{(ngpu, workers, after)}\n{out[-3000:]}\n{err[-2000:]}") from None
+        schedule.append((ngpu, workers, sig.name, whom, round(after, 1), proc.returncode))
         assert proc.returncode in STOPPED_EXITS, (schedule, err[-2000:])
         assert "Traceback" not in out + err, (schedule, err[-3000:])
         assert len(err.strip().splitlines()) <= 1, (schedule, err)
-    print("stops (ranks, signal, to, after s, exit):", schedule)
+    print("stops (ranks, loader workers, signal, to, after s, exit):", schedule)
     final = _run(run, NGPU=rng.choice([1, 2]))
     assert final.returncode == 0, (schedule, final.stderr[-2000:])
     want, got = _losses(tmp_path / "ref"), _losses(tmp_path / "run")
