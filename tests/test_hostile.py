@@ -721,6 +721,8 @@ LAUNCHER = [
     ({"NGPU": "0"}, "NGPU=0 must be >= 1"), ({"NGPU": "abc"}, "NGPU='abc' is not a whole number"),
     ({"NGPU": "-2"}, "NGPU=-2 must be >= 1"), ({"NNODES": "0"}, "NNODES=0 must be >= 1"),
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 must be below NNODES=2"),
+    ({"NNODES": "2", "NODE_RANK": "1"}, "NNODES=2 needs MASTER_ADDR: set it on every node to the address of the "
+                                        "node with NODE_RANK=0"),
     ({"LOG_RANK": "5"}, "rank 5 does not exist"), ({"LOG_RANK": "x"}, "LOG_RANK='x'"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a whole number"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
@@ -1269,7 +1271,7 @@ def test_a_head_node_whose_peer_never_joins_names_it_within_the_rendezvous_timeo
     t0 = time.monotonic()
     r = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}", "--parallelism.rendezvous_timeout_s=3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=_env(NNODES=2, NODE_RANK=0, NGPU=1, MASTER_PORT=free_port()))
+                       env=_env(NNODES=2, NODE_RANK=0, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()))
     _one_line(r.stderr, 2, r.returncode, "config error: ", "node 1 of 2 (rank 1) did not join rank 0")
     assert "within 3 s (parallelism.rendezvous_timeout_s)" in r.stderr and time.monotonic() - t0 < 60
 
@@ -1287,7 +1289,7 @@ def test_two_nodes_given_one_node_rank_are_refused_in_one_line_each(tmp_path):
     def node(rank):
         return subprocess.Popen(["./run_train.sh", *common], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True,
-                                env=_env(NNODES=3, NODE_RANK=rank, NGPU=1, MASTER_PORT=port))
+                                env=_env(NNODES=3, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
 
     procs = [node(0), node(1), node(1)]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
@@ -1319,14 +1321,14 @@ def test_a_rank_that_arrives_at_a_running_jobs_port_is_refused_in_one_line(tmp_p
     job = ["--training.steps=400", "--checkpoint.enable=false", "--metrics.log_freq=1"]
     first = [subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path / 'a'}", *job], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env=_env(NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_PORT=port)) for rank in (0, 1)]
+                              env=_env(NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for rank in (0, 1)]
     try:
         deadline = time.monotonic() + 120
         while "step      1  loss" not in first[0].stdout.readline():  # the first job trains
             assert first[0].poll() is None and time.monotonic() < deadline
         late = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path / 'b'}"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120,
-                              env=_env(NNODES=2, NODE_RANK=1, NGPU=1, MASTER_PORT=port))
+                              env=_env(NNODES=2, NODE_RANK=1, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
         _one_line(late.stderr, 2, late.returncode, "[rank1] config error: ",
                   "rank 1 of 2: the job at 127.0.0.1:")
         assert "another job is running at that MASTER_ADDR / MASTER_PORT" in late.stderr

@@ -13,7 +13,7 @@ What torchrun does not give and this does:
 Environment: NGPU (processes on this node; default the visible CUDA GPUs, else 1), LOG_RANK (global
 ranks whose output is shown, default 0; the others' output appears only when they decide the exit
 code), NNODES and NODE_RANK (default 1 and 0), MASTER_ADDR and MASTER_PORT (default 127.0.0.1 and
-a free port on one node, 29500 on several).
+a free port on one node; on several, MASTER_ADDR is required and MASTER_PORT defaults to 29500).
 """
 from __future__ import annotations
 
@@ -113,7 +113,12 @@ class Plan:
         if bad:
             raise ConfigError(f"LOG_RANK={raw}: rank {bad[0]} does not exist; this run has {self.world} "
                               f"process(es), ranks 0..{self.world - 1}")
-        self.master_addr = env.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+        self.master_addr = env.get("MASTER_ADDR", "").strip()
+        if not self.master_addr and self.nnodes > 1:  # each node would look for the head on itself, for 300 s
+            raise ConfigError(f"NNODES={self.nnodes} needs MASTER_ADDR: set it on every node to the address of the "
+                              f"node with NODE_RANK=0, as the other nodes reach it (127.0.0.1 only if every node "
+                              f"runs on this machine)")
+        self.master_addr = self.master_addr or "127.0.0.1"
         if self.node_rank == 0:
             check_head_address(self.master_addr, local=False)
         port = _int_env("MASTER_PORT", 0, 1)
