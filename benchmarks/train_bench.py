@@ -225,13 +225,13 @@ def _peak_gib() -> float:
 def _profile_peer(run, steps: int, trace: Path) -> dict:
     """Trace `steps` steps of the peer between a lead step and a closing one (see breakdown)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    from titan_te.profiling import traced_steps
+    from titan_te.profiling import step_profiler, traced_steps
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, schedule=traced_steps(skip_first=1, active=steps + 1),
-                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+    with step_profiler(activities, traced_steps(skip_first=1, active=steps + 1),
+                       lambda p: p.export_chrome_trace(str(trace))) as prof:
         run(steps + 2, each=prof.step)  # its last step reads the loss: the counted steps' GPU work has ended
     return breakdown(trace)
 

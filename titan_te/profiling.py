@@ -26,6 +26,13 @@ def traced_steps(skip_first: int, active: int):
         return torch.profiler.schedule(skip_first=skip_first, wait=0, warmup=0, active=active, repeat=1)
 
 
+def step_profiler(activities, schedule, on_trace_ready, **kw):
+    """torch.profiler.profile over one traced window (a `traced_steps` schedule). acc_events: a schedule of one
+    cycle has nothing to clear, and torch 2.11 warns on every trace that events are cleared between cycles."""
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready,
+                                  acc_events=True, **kw)
+
+
 class Profiler:
     def __init__(self, pcfg, run_folder: Path, device: torch.device, rank: int):
         self.cfg, self.device, self.rank = pcfg, device, rank
@@ -58,8 +65,7 @@ class Profiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         schedule = traced_steps(skip_first=start - first_step, active=last - start + 1)
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False,
-                                            schedule=schedule, on_trace_ready=lambda p: self._write(p, start, last))
+        self._prof = step_profiler(activities, schedule, lambda p: self._write(p, start, last), record_shapes=True)
         try:
             with self._prof:
                 yield self
