@@ -403,9 +403,10 @@ class Trainer:
         """The global average loss of every step so far, for callers and tests."""
         return self.metrics.losses
 
-    def train_step(self, microbatches) -> torch.Tensor:
+    def train_step(self, microbatches, calibrate: bool = False) -> torch.Tensor:
         """One optimizer step over the micro-batches. Returns [global avg loss, max rank loss, grad norm, ranks
-        asked to stop] as one device tensor: nothing here waits for the GPU."""
+        asked to stop] as one device tensor: nothing here waits for the GPU. `calibrate`: first a forward and
+        backward of the first micro-batch whose gradients are discarded (FP8Policy.needs_calibration)."""
         local_tokens = sum((mb["labels"] != IGNORE_INDEX).sum() for mb in microbatches).float()
         if SIGNALS.flag and not self._voted:
             self._stop_vote.fill_(1.0)
@@ -417,6 +418,9 @@ class Trainer:
         # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
         # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
         # whatever the split into ranks and micro-batches.
+        if calibrate:  # the same loss scale as the step's own passes: the gradients' amaxes are the step's
+            (self.loss_sum(microbatches[0]["input"], microbatches[0]["labels"]) / global_tokens).backward()
+            self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             reduce_now = self._no_sync is None or i == len(microbatches) - 1  # the last reduces the local sum
@@ -453,6 +457,10 @@ class Trainer:
         else:
             logger.info(f"training from step {self.state.step + 1} to {t.steps}")
         self.train_model.train()
+        calibrate = self.state.step < stop_at and self.fp8.needs_calibration(self.model)
+        if calibrate:
+            logger.info("fp8: the first step runs a calibration pass first (gradient scales not set yet; "
+                        "fp8.calibrate_first_step)")
         with SIGNALS.training(), self.profiler.loop(self.state.step + 1):
             self._data_iter = iter(self.dataloader)
             self.metrics.start_loop()
@@ -463,7 +471,8 @@ class Trainer:
                 t_data = time.perf_counter() - t0
                 lr = self.optimizer.param_groups[0]["lr"]
                 try:
-                    values = self.train_step(microbatches)
+                    values = self.train_step(microbatches, calibrate)
+                    calibrate = False
                 except torch.OutOfMemoryError as e:
                     self.metrics.flush()
                     snap = self.profiler.snapshot(f"oom-step-{step}")

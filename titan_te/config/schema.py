@@ -244,6 +244,10 @@ class FP8:
     amax_history_len: int = opt(1024, "delayed scaling: amax history length", bounds=Bounds(1, 2**16))
     amax_compute_algo: str = opt("max", "delayed scaling: max or most_recent", choices=("max", "most_recent"))
     margin: int = opt(0, "delayed scaling: margin (power of two) for the scaling factor", bounds=Bounds(0, 64))
+    calibrate_first_step: bool = opt(True, "delayed scaling: a run whose gradient scales were never set (a fresh "
+                                           "start) first runs one forward and backward of its first micro-batch, "
+                                           "gradients discarded, so that its first update is not computed from "
+                                           "gradients quantized at the initial scale of 1")
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
                               "needs an optimizer with FP32 master weights")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "

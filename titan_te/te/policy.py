@@ -3,7 +3,8 @@
 Models ask which blocks get FP8 weights and compute (`block_fp8`, `block_init`), what the output head runs
 in FP8 (`head`); the parallelism asks whether a block must keep its gathered weights (`keeps_gathered`) and
 tells it which units it keeps gathered from forward to backward (`gathered_until_backward`); the optimizer
-asks for a weight's value before it was quantized (`init_value`); the training step enters `autocast()`.
+asks for a weight's value before it was quantized (`init_value`); the training step enters `autocast()`
+and asks whether a run's first step needs a calibration pass (`needs_calibration`).
 Nothing else reads fp8.* options or marks tensors and modules for one another.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from titan_te.te import tensors
 from titan_te.te.recipes import RECIPES
+from titan_te.te.stats import gradient_scales_set
 
 
 def fp8_block(fcfg, layer_id: int, n_layers: int) -> bool:
@@ -26,7 +28,9 @@ def fp8_block(fcfg, layer_id: int, n_layers: int) -> bool:
 class FP8Policy:
     def __init__(self, fcfg, amax_group=None):
         self.enabled = fcfg.enable
-        self.recipe = RECIPES.get(fcfg.recipe).build(fcfg) if fcfg.enable else None
+        spec = RECIPES.get(fcfg.recipe) if fcfg.enable else None
+        self.recipe = spec.build(fcfg) if spec else None
+        self._calibrates = bool(spec and spec.scales_from_history and fcfg.calibrate_first_step)
         self.amax_group = amax_group
         self.weights = fcfg.enable and fcfg.params  # FP8 weights (TE's quantized_model_init)
         self.head = fcfg.head if fcfg.enable else "off"  # the fused head's FP8 GEMMs (fp8.head)
@@ -71,6 +75,15 @@ class FP8Policy:
         import transformer_engine.pytorch as te
 
         return te.autocast(enabled=True, recipe=self.recipe, amax_reduction_group=self.amax_group)
+
+    def needs_calibration(self, model) -> bool:
+        """Whether the next step should first run a calibration pass (fp8.calibrate_first_step): delayed scaling
+        quantizes each gradient with a scale from the amaxes of the passes before it, and a run's first backward
+        has none, so it uses the initial scale of 1, at which E5M2 cannot represent most values of a first step's
+        gradients (~1e-5 and below); Adam's first update, a step of about lr in every weight, then follows that
+        rounding. One forward and backward whose gradients are discarded records the amaxes first. Asked once
+        per training loop (a host sync); False once any gradient scale is set (a resumed run)."""
+        return self._calibrates and not gradient_scales_set(model)
 
     # --- parallelisms ----------------------------------------------------------------------------------
     def keeps_gathered(self, block) -> bool:

@@ -19,15 +19,17 @@ class RecipeSpec:
     # cuDNN's FP8 kernels); None: never
     fp8_attention: tuple[int, int] | None = None
     reads: tuple[str, ...] = ()  # the [fp8] options of only some recipes that this one reads (delayed scaling's)
+    # scales that come from earlier passes' amaxes (delayed scaling): a run's first backward has none to use
+    scales_from_history: bool = False
 
 
 RECIPES: Registry[RecipeSpec] = Registry("fp8 recipe")
 
 
 def recipe(name: str, min_cc: tuple[int, int], fp8_attention: tuple[int, int] | None = None,
-           reads: tuple[str, ...] = ()):
+           reads: tuple[str, ...] = (), scales_from_history: bool = False):
     def add(build):
-        RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention, reads))
+        RECIPES.register(name)(RecipeSpec(name, build, min_cc, fp8_attention, reads, scales_from_history))
         return build
 
     return add
@@ -39,7 +41,8 @@ def _format(fcfg):
     return getattr(Format, fcfg.fp8_format)
 
 
-@recipe("delayed", (8, 9), fp8_attention=(9, 0), reads=("amax_history_len", "amax_compute_algo", "margin"))
+@recipe("delayed", (8, 9), fp8_attention=(9, 0), scales_from_history=True,
+        reads=("amax_history_len", "amax_compute_algo", "margin", "calibrate_first_step"))
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 

@@ -2,6 +2,19 @@
 from __future__ import annotations
 
 
+def gradient_scales_set(model) -> bool:
+    """Whether any TE module's backward amax history holds a value: a gradient has been quantized under delayed
+    scaling since the run began (or its checkpoint was saved). All zeros, or no backward state yet (bf16 weights
+    create it in their first FP8 pass), is a run whose next backward would use the initial scale of 1. Equal on
+    every rank (amaxes are reduced over the data-parallel group)."""
+    for module in model.modules():
+        meta = getattr(module, "fp8_meta", None)
+        scaling = meta.get("scaling_bwd") if meta else None
+        if scaling is not None and hasattr(scaling, "amax_history") and bool(scaling.amax_history.any()):
+            return True
+    return False
+
+
 def fp8_stats(model, groups: dict[str, str]) -> dict[str, float]:
     """Per layer group, over all blocks: the largest amax in the history window and the smallest scale of the
     tensors quantized in the forward (activations, weights) and the backward (gradients). `groups` maps a TE
