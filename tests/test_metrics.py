@@ -127,8 +127,8 @@ def _logged_against_wall(tmp_path, device: str, extra: dict) -> list[tuple[int, 
     ends: dict[int, float] = {}
     real = tr.train_step
 
-    def timed(microbatches):
-        out = real(microbatches)
+    def timed(*args):
+        out = real(*args)
         if device == "cuda":
             torch.cuda.synchronize()
         ends[tr.state.step + 1] = time.perf_counter()
