@@ -110,8 +110,8 @@ TRACK = 0.02
 # gradient after every micro-batch and re-summed the earlier ones until f272aec; the CPU suite holds the exact
 # comparison). The one-rank run takes as many micro-batches as each of the N ranks: delayed scaling updates its
 # scales after every forward and backward, so FP8 runs of one and of two passes a step differ early in training
-# as two FP8 runs, not as a bug (measured on an H100: 1 x 4 against 1 x 2 x 2 micro-batches, gaps up to 21% in
-# these 12 steps, with FP8 weights or bf16 ones; without FP8 3e-4).
+# as two FP8 runs, not as a bug (measured on an H100 before fp8.calibrate_first_step: 1 x 4 against 1 x 2 x 2
+# micro-batches, gaps up to 21% in these 12 steps, with FP8 weights or bf16 ones; without FP8 3e-4).
 @pytest.mark.parametrize("world, fp8_params, local, total, data_parallel",
                          [(2, True, 1, 2, "fsdp"), (3, False, 2, 6, "fsdp"), (4, True, 1, 4, "fsdp"),
                           (2, True, 1, 4, "ddp")], ids=["2", "3-bf16-weights", "4", "2-ddp-accumulating"])
