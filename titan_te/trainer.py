@@ -415,12 +415,12 @@ class Trainer:
         counts = torch.stack([local_tokens, self._stop_vote])
         dist.all_reduce(counts)
         global_tokens = counts[0]
-        # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
-        # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
-        # whatever the split into ranks and micro-batches.
         if calibrate:  # the same loss scale as the step's own passes: the gradients' amaxes are the step's
             (self.loss_sum(microbatches[0]["input"], microbatches[0]["labels"]) / global_tokens).backward()
             self.optimizer.zero_grad(set_to_none=True)
+        # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
+        # data-parallel reduction sums gradients: the result is the exact mean over the global batch,
+        # whatever the split into ranks and micro-batches.
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             reduce_now = self._no_sync is None or i == len(microbatches) - 1  # the last reduces the local sum
