@@ -29,6 +29,7 @@ RUNS = {
     "fp8": [],
     "fp8_attention": ["--fp8.attention=true"],
     "fp8_current": ["--fp8.recipe=current"],
+    "fp8_uncalibrated": ["--fp8.calibrate_first_step=false"],  # delayed scaling's first step as TE leaves it
     "fp8_head_all": ["--fp8.head=all"],
     "fp8_head_off": ["--fp8.head=off"],
     "fp8_b2_every4": ["--training.local_batch_size=2", "--activation_checkpoint.mode=every_n",
