@@ -164,7 +164,8 @@ def test_a_calibration_pass_keeps_the_first_fp8_steps_near_bf16(tmp_path):
     print(f"bf16 losses {' '.join(f'{x:.4f}' for x in bf16)}")
     mean = {on: sum(abs(g) for g in gaps[on]) / len(gaps[on]) for on in gaps}
     print(f"mean |gap| over 20 steps: without {mean[False]:.2e}, with the calibration pass {mean[True]:.2e}")
-    assert len(gaps[True]) == 20 and mean[True] < 0.5 * mean[False]
+    # measured on an H100 (2026-12-06): 0.20% with the pass, 17.9% without it
+    assert len(gaps[True]) == 20 and mean[True] < 0.01 and mean[True] < 0.5 * mean[False]
 
 
 def _train_head128(rank, world, tmp, overrides):
