@@ -630,8 +630,9 @@ def test_garbage_of_the_parent_is_not_collected_in_a_loader_worker():
         gc.collect()
 
 
-@pytest.mark.timeout(120)  # hung twice at its first batch in about 25 runs before ForkSafeLoader (the worker collected
-# an earlier test's process group: test_garbage_of_the_parent_is_not_collected_in_a_loader_worker): a failure in 2 minutes
+@pytest.mark.timeout(120)  # hung twice at its first batch in about 25 runs before ForkSafeLoader (the worker
+# collected an earlier test's process group: test_garbage_of_the_parent_is_not_collected_in_a_loader_worker): a
+# failure in 2 minutes
 @pytest.mark.parametrize("where", ["console", "log file"])
 def test_a_worker_killed_while_a_line_is_logged_is_one_line_not_a_logging_error(where, capsys, tmp_path):
     """torch's SIGCHLD handler raises wherever the main thread is; inside a log handler's write, logging printed

@@ -1321,7 +1321,8 @@ def test_a_rank_that_arrives_at_a_running_jobs_port_is_refused_in_one_line(tmp_p
     job = ["--training.steps=400", "--checkpoint.enable=false", "--metrics.log_freq=1"]
     first = [subprocess.Popen(["./run_train.sh", f"--job.dump_folder={tmp_path / 'a'}", *job], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                              env=_env(NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for rank in (0, 1)]
+                              env=_env(NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
     try:
         deadline = time.monotonic() + 120
         while "step      1  loss" not in first[0].stdout.readline():  # the first job trains

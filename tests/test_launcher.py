@@ -368,7 +368,8 @@ def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterru
 
 def _nodes(args, port, **env):
     """Two nodes of one job on this machine (one launcher each, NGPU=1), as a Slurm step starts them."""
-    return [_start(args, NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env) for rank in (0, 1)]
+    return [_start(args, NNODES=2, NODE_RANK=rank, NGPU=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
+            for rank in (0, 1)]
 
 
 def test_two_nodes_stop_together_when_one_is_preempted_and_resume_on_the_uninterrupted_losses(tmp_path):

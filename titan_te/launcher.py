@@ -113,12 +113,12 @@ class Plan:
         if bad:
             raise ConfigError(f"LOG_RANK={raw}: rank {bad[0]} does not exist; this run has {self.world} "
                               f"process(es), ranks 0..{self.world - 1}")
-        self.master_addr = env.get("MASTER_ADDR", "").strip()
-        if not self.master_addr and self.nnodes > 1:  # each node would look for the head on itself, for 300 s
+        addr = env.get("MASTER_ADDR", "").strip()
+        if not addr and self.nnodes > 1:  # each node would look for the head on itself, for 300 s
             raise ConfigError(f"NNODES={self.nnodes} needs MASTER_ADDR: set it on every node to the address of the "
                               f"node with NODE_RANK=0, as the other nodes reach it (127.0.0.1 only if every node "
                               f"runs on this machine)")
-        self.master_addr = self.master_addr or "127.0.0.1"
+        self.master_addr = addr or "127.0.0.1"
         if self.node_rank == 0:
             check_head_address(self.master_addr, local=False)
         port = _int_env("MASTER_PORT", 0, 1)
