@@ -236,7 +236,8 @@ def test_an_option_the_chosen_dataset_tokenizer_or_recipe_ignores_is_refused_unl
     for option, readers, not_readers in [("data.path", {"files", "hf", "tokens"}, {"embedded"}),
                                          ("data.text_field", {"files", "hf"}, {"embedded", "tokens"}),
                                          ("data.tokenizer_path", {"hf", "tiktoken"}, {"byte"}),
-                                         ("fp8.margin", {"delayed"}, {"current", "block"})]:
+                                         ("fp8.margin", {"delayed"}, {"current", "block"}),
+                                         ("fp8.fused_swiglu", {"delayed"}, {"current", "block"})]:
         # (a component that another test registered without saying what it reads reads everything)
         listed = set(re.search(rf"--{re.escape(option)} \(.*\n.*\n +read by: (.*)\n", out).group(1).split(", "))
         assert readers <= listed and not not_readers & listed, (option, listed)

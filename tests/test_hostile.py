@@ -109,6 +109,7 @@ CLI = [
     ("--fp8.attention=true", "fp8.attention = true needs fp8.enable = true"),
     ("--fp8.head=all", "fp8.head = 'all' needs fp8.enable = true"),
     ("--fp8.head=half", "fp8.head = 'half' is not one of"),
+    ("--fp8.fused_swiglu=true", "fp8.fused_swiglu = true fuses SwiGLU with its FP8 casts, which needs fp8.enable"),
     ("--fp8.amax_history_len=0", "fp8.amax_history_len must be within [1,"),
     ("--activation_checkpoint.mode=some", "activation_checkpoint.mode = 'some' is not one of"),
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),
@@ -167,6 +168,7 @@ TOML = [
     # a path without its dataset, a delayed-scaling option under another recipe, Adam's moments for adamw
     ("[data]\npath = \"/data/shards\"\n", "choose one with data.dataset, or leave data.path out (in "),
     ("[fp8]\nrecipe = \"current\"\nmargin = 2\n", "fp8.margin is not an option of current"),
+    ("[fp8]\nenable = true\nrecipe = \"block\"\nfused_swiglu = true\n", "fp8.fused_swiglu is not an option of block"),
     ("[optimizer]\nmoment_dtype = \"bfloat16\"\n", "optimizer.moment_dtype is not an option of adamw"),
 ]
 

@@ -225,6 +225,7 @@ class Trainer:
         with torch.device("meta"):
             model = spec.build(self.model_args, self.backend, document_mask=m.document_mask,
                                fp8=self.fp8 if self.fp8.enabled else None, params_dtype=torch.float32)
+        self.fp8.model_built(model)
         self.model = model  # the unwrapped module: names, init rules, state dicts
         return model
 

@@ -3,13 +3,15 @@
 Models ask which blocks get FP8 weights and compute (`block_fp8`, `block_init`), what the output head runs
 in FP8 (`head`); the parallelism asks whether a block must keep its gathered weights (`keeps_gathered`) and
 tells it which units it keeps gathered from forward to backward (`gathered_until_backward`); the optimizer
-asks for a weight's value before it was quantized (`init_value`); the training step enters `autocast()`
-and asks whether a run's first step needs a calibration pass (`needs_calibration`).
+asks for a weight's value before it was quantized (`init_value`); the trainer says when the model is built
+(`model_built`: fp8.fused_swiglu), and the training step enters `autocast()` and asks whether a run's first step
+needs a calibration pass (`needs_calibration`).
 Nothing else reads fp8.* options or marks tensors and modules for one another.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 
 import torch
@@ -17,6 +19,8 @@ import torch
 from titan_te.te import tensors
 from titan_te.te.recipes import RECIPES
 from titan_te.te.stats import gradient_scales_set
+
+logger = logging.getLogger("titan_te")
 
 
 def fp8_block(fcfg, layer_id: int, n_layers: int) -> bool:
@@ -31,6 +35,7 @@ class FP8Policy:
         spec = RECIPES.get(fcfg.recipe) if fcfg.enable else None
         self.recipe = spec.build(fcfg) if spec else None
         self._calibrates = bool(spec and spec.scales_from_history and fcfg.calibrate_first_step)
+        self._fused_swiglu = bool(spec and spec.scales_from_history and fcfg.fused_swiglu)
         self.amax_group = amax_group
         self.weights = fcfg.enable and fcfg.params  # FP8 weights (TE's quantized_model_init)
         self.head = fcfg.head if fcfg.enable else "off"  # the fused head's FP8 GEMMs (fp8.head)
@@ -56,6 +61,22 @@ class FP8Policy:
         """A model tells the policy which module holds block `layer_id` (for keeps_gathered)."""
         if self.weights and self.block_fp8(layer_id, n_layers):
             self._fp8_weight_blocks.add(id(block))
+
+    def model_built(self, model) -> None:
+        """The whole model is built: with fp8.fused_swiglu its SwiGLU MLPs run their activation, its derivative
+        and their FP8 casts in one kernel each way (te/swiglu.py; the cast there needs the scale before the
+        data, which delayed scaling has)."""
+        from titan_te.te import swiglu
+
+        if not self._fused_swiglu:
+            swiglu.uninstall()
+            return
+        n = swiglu.install(model)
+        if n:
+            logger.info(f"fp8.fused_swiglu: {n} SwiGLU MLPs run their activation and FP8 casts in one kernel "
+                        f"each way")
+        else:
+            logger.warning("fp8.fused_swiglu: this model has no TE SwiGLU MLP without biases; TE's kernels run")
 
     def fp8_weights(self, model):
         """(name, parameter) of every weight that is or will be FP8: on the meta device TE's weights are still

@@ -19,7 +19,8 @@ class RecipeSpec:
     # cuDNN's FP8 kernels); None: never
     fp8_attention: tuple[int, int] | None = None
     reads: tuple[str, ...] = ()  # the [fp8] options of only some recipes that this one reads (delayed scaling's)
-    # scales that come from earlier passes' amaxes (delayed scaling): a run's first backward has none to use
+    # scales that come from earlier passes' amaxes (delayed scaling): a run's first backward has none to use, and
+    # a cast knows its scale before it sees the data (one pass: fp8.fused_swiglu)
     scales_from_history: bool = False
 
 
@@ -42,7 +43,7 @@ def _format(fcfg):
 
 
 @recipe("delayed", (8, 9), fp8_attention=(9, 0), scales_from_history=True,
-        reads=("amax_history_len", "amax_compute_algo", "margin", "calibrate_first_step"))
+        reads=("amax_history_len", "amax_compute_algo", "margin", "calibrate_first_step", "fused_swiglu"))
 def _delayed(fcfg):
     from transformer_engine.common.recipe import DelayedScaling
 

@@ -30,9 +30,9 @@ def write(target: torch.Tensor, value: torch.Tensor) -> None:
 
 @dataclass
 class DelayedFP8:
-    """The parts of a delayed-scaling FP8 weight that an optimizer kernel writes in place: the FP8 bytes (raw
-    uint8 and as the torch float8 dtype), the scale the next write uses, the amax it records there, the
-    inverse scale readers multiply by, and TE's dtype code."""
+    """The parts of a delayed-scaling FP8 tensor that a kernel writes in place: the FP8 bytes (raw uint8 and as
+    the torch float8 dtype), the scale the next write uses, the amax it records there, the inverse scale
+    readers multiply by, TE's dtype code, and the column-wise (transposed) bytes where the tensor has them."""
 
     raw: torch.Tensor
     data: torch.Tensor
@@ -40,6 +40,12 @@ class DelayedFP8:
     amax: torch.Tensor
     scale_inv: torch.Tensor
     te_dtype: object
+    transpose: torch.Tensor | None = None
+
+    @property
+    def fp8_max(self) -> float:
+        """The largest finite value of the FP8 dtype (casts saturate to it)."""
+        return torch.finfo(self.data.dtype).max
 
 
 def delayed_fp8(w) -> DelayedFP8 | None:
@@ -54,6 +60,32 @@ def delayed_fp8(w) -> DelayedFP8 | None:
     dtype = torch.float8_e5m2 if w._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
     q = w._quantizer
     return DelayedFP8(w._data, w._data.view(dtype), q.scale, q.amax, w._scale_inv, w._fp8_dtype)
+
+
+def is_delayed_quantizer(q) -> bool:
+    """A delayed-scaling quantizer (TE's Float8Quantizer: its scale is set before the data is seen)."""
+    try:
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+    except ImportError:
+        return False
+    return type(q) is Float8Quantizer
+
+
+def quantizer_usage(q) -> tuple[bool, bool]:
+    """(row-wise, column-wise): the layouts a quantizer's tensors are made with."""
+    return q.rowwise_usage, q.columnwise_usage
+
+
+def new_delayed(quantizer, shape, dtype: torch.dtype, device) -> tuple[object, DelayedFP8]:
+    """An uninitialized tensor of delayed-scaling `quantizer` (its layouts as the quantizer's usage says; a TE
+    tensor that stands for `dtype`) and the parts a kernel writes to fill it."""
+    import transformer_engine_torch as tex
+
+    t = quantizer.make_empty(list(shape), dtype=dtype, device=device)
+    fp8 = torch.float8_e5m2 if quantizer.dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
+    transpose = t._transpose.view(fp8) if t._transpose is not None else None
+    return t, DelayedFP8(t._data, t._data.view(fp8), quantizer.scale, quantizer.amax, t._scale_inv, quantizer.dtype,
+                         transpose)
 
 
 def is_float8(w) -> bool:
