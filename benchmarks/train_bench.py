@@ -64,7 +64,7 @@ RUNS = {
     "8b_fp8_b2": ("preset", "8b", ["--training.local_batch_size=2"]),
     "8b_fp8_b2_every4": ("preset", "8b", ["--training.local_batch_size=2", "--activation_checkpoint.mode=every_n",
                                           "--activation_checkpoint.every_n=4"]),
-    # SwiGLU and its derivative fused with their FP8 casts and transposes (titan_te/te/swiglu.py)
+    # SwiGLU's derivative fused with its FP8 cast and transpose (titan_te/te/swiglu.py)
     "1b_fp8_fused_swiglu": ("preset", "1b", ["--fp8.fused_swiglu=true"]),
     "8b_fp8_fused_swiglu": ("preset", "8b", ["--fp8.fused_swiglu=true"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),

@@ -109,7 +109,7 @@ CLI = [
     ("--fp8.attention=true", "fp8.attention = true needs fp8.enable = true"),
     ("--fp8.head=all", "fp8.head = 'all' needs fp8.enable = true"),
     ("--fp8.head=half", "fp8.head = 'half' is not one of"),
-    ("--fp8.fused_swiglu=true", "fp8.fused_swiglu = true fuses SwiGLU with its FP8 casts, which needs fp8.enable"),
+    ("--fp8.fused_swiglu=true", "fp8.fused_swiglu = true fuses SwiGLU's derivative with its FP8 cast, which needs"),
     ("--fp8.amax_history_len=0", "fp8.amax_history_len must be within [1,"),
     ("--activation_checkpoint.mode=some", "activation_checkpoint.mode = 'some' is not one of"),
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),

@@ -73,6 +73,6 @@ def check_hardware(cfg, where: str) -> None:
         raise ConfigError(f"fp8.head = '{cfg.fp8.head}' runs in the Triton cross-entropy kernel, and Triton "
                           f"cannot be imported here (a CUDA build of torch ships it); set --fp8.head=off {where}")
     if cfg.fp8.fused_swiglu and not triton_support.available():
-        raise ConfigError(f"fp8.fused_swiglu = true runs Triton kernels, and Triton cannot be imported here (a CUDA "
+        raise ConfigError(f"fp8.fused_swiglu = true runs a Triton kernel, and Triton cannot be imported here (a CUDA "
                           f"build of torch ships it); set --fp8.fused_swiglu=false {where}")
 

@@ -248,9 +248,9 @@ class FP8:
                                            "start) first runs one forward and backward of its first micro-batch, "
                                            "gradients discarded, so that its first update is not computed from "
                                            "gradients quantized at the initial scale of 1")
-    fused_swiglu: bool = opt(False, "delayed scaling: TE's bias-free SwiGLU MLPs run their activation, its "
-                                    "derivative and their FP8 casts and transposes in one Triton kernel each "
-                                    "way (titan_te/te/swiglu.py) instead of TE's separate passes")
+    fused_swiglu: bool = opt(False, "delayed scaling: the backward of TE's bias-free SwiGLU MLPs computes SwiGLU's "
+                                    "derivative with its FP8 cast and transpose in one Triton kernel "
+                                    "(titan_te/te/swiglu.py) instead of TE's two passes")
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
                               "needs an optimizer with FP32 master weights")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "

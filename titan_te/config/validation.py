@@ -236,8 +236,8 @@ def _check_values(cfg: Config, where: str) -> None:
         raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
                           f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
     if cfg.fp8.fused_swiglu and not cfg.fp8.enable:
-        raise ConfigError(f"fp8.fused_swiglu = true fuses SwiGLU with its FP8 casts, which needs fp8.enable = true "
-                          f"{where}")
+        raise ConfigError(f"fp8.fused_swiglu = true fuses SwiGLU's derivative with its FP8 cast, which needs "
+                          f"fp8.enable = true {where}")
     if cfg.fp8.attention:
         from titan_te.te.recipes import RECIPES
 

@@ -6,7 +6,7 @@ tensors' internals.
 - layers.py:  the `te` layer backend (TE's TransformerLayer as a block a family configures);
 - tensors.py: FP8 tensors from the outside (written in place by optimizers, quantized by the head);
 - kernels.py: TE's Adam kernels and FusedAdam for the optimizers;
-- swiglu.py:  SwiGLU and its derivative fused with their FP8 casts (fp8.fused_swiglu; Triton kernels in
+- swiglu.py:  SwiGLU's derivative fused with its FP8 cast (fp8.fused_swiglu; the Triton kernel in
               swiglu_kernels.py);
 - stats.py:   delayed-scaling statistics for the metrics;
 - checks.py:  what this GPU and cuDNN can run of the [fp8] section.

@@ -63,9 +63,9 @@ class FP8Policy:
             self._fp8_weight_blocks.add(id(block))
 
     def model_built(self, model) -> None:
-        """The whole model is built: with fp8.fused_swiglu its SwiGLU MLPs run their activation, its derivative
-        and their FP8 casts in one kernel each way (te/swiglu.py; the cast there needs the scale before the
-        data, which delayed scaling has)."""
+        """The whole model is built: with fp8.fused_swiglu its SwiGLU MLPs compute SwiGLU's derivative with its FP8
+        cast in one kernel (te/swiglu.py; a one-pass cast needs the scale before the data, which delayed scaling
+        has)."""
         from titan_te.te import swiglu
 
         if not self._fused_swiglu:
@@ -73,8 +73,8 @@ class FP8Policy:
             return
         n = swiglu.install(model)
         if n:
-            logger.info(f"fp8.fused_swiglu: {n} SwiGLU MLPs run their activation and FP8 casts in one kernel "
-                        f"each way")
+            logger.info(f"fp8.fused_swiglu: {n} SwiGLU MLPs compute SwiGLU's derivative with its FP8 cast in one "
+                        f"kernel")
         else:
             logger.warning("fp8.fused_swiglu: this model has no TE SwiGLU MLP without biases; TE's kernels run")
 

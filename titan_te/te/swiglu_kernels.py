@@ -1,8 +1,8 @@
-"""The Triton kernels of swiglu.py (this module imports triton; swiglu.py imports it only where they run).
+"""The Triton kernel of swiglu.py (this module imports triton; swiglu.py imports it only where it runs).
 
-Each program takes a BM x BN tile of SwiGLU's output columns (of N; the input is [a | b], 2N wide), casts it with
-the quantizer's scale and writes the row-wise bytes and, with TRANSPOSE, the column-wise ones; its amax goes into
-the quantizer's amax by an atomic max.
+Each program takes a BM x BN tile of the incoming gradient (M x N; SwiGLU's input is [a | b], 2N wide), computes
+both halves of the derivative there, casts them with the quantizer's scale and writes their row-wise bytes and,
+with TRANSPOSE, their column-wise ones; its amax goes into the quantizer's amax by an atomic max.
 """
 import triton
 import triton.language as tl
@@ -18,24 +18,6 @@ def _cast_store(v, data_ptr, t_ptr, rows, cols, offset, ld, M, N, scale, fp8_max
     if TRANSPOSE:  # transposed before the cast (the same rounding): 32-bit tiles are what every layout takes
         tl.store(t_ptr + (offset + cols)[:, None] * M + rows[None, :], tl.trans(v).to(t_ptr.dtype.element_ty),
                  mask=(cols[:, None] < N) & (rows[None, :] < M))
-
-
-@triton.jit
-def swiglu_cast_transpose(x_ptr, data_ptr, t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, fp8_max,
-                          TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """FP8(silu(a) * b) for x = [a | b]."""
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    xrow = x_ptr + rows[:, None] * (2 * N) + cols[None, :]
-    a = tl.load(xrow, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(xrow + N, mask=mask, other=0.0).to(tl.float32)
-    y = a * (1.0 / (1.0 + tl.exp(-a))) * b
-    scale = tl.load(scale_ptr)
-    _cast_store(y, data_ptr, t_ptr, rows, cols, 0, N, M, N, scale, fp8_max, TRANSPOSE)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), axis=0))
-    first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-    tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale), mask=first)  # IEEE 1 / scale, as TE writes it
 
 
 @triton.jit
