@@ -112,17 +112,26 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=0, help="fused_adam: elements per block of TE's kernels "
                                                         "(default: fused_adam.TE_CHUNK)")
     ap.add_argument("--hbm_tbs", type=float, default=4.3, help="HBM bandwidth in TB/s (H200: 4.8 peak, 4.3 usable)")
+    ap.add_argument("--triton_block", type=int, default=0, help="fused_adam: elements per program of its Triton "
+                                                                "kernel (default: triton_adam.BLOCK)")
+    ap.add_argument("--triton_warps", type=int, default=0, help="fused_adam: warps per program of its Triton kernel "
+                                                                "(default: triton_adam.WARPS)")
     a = ap.parse_args()
     if a.chunk:
         from titan_te.optim import fused_adam
 
         fused_adam.TE_CHUNK = a.chunk
+    from titan_te.optim import triton_adam
+
+    triton_adam.BLOCK = a.triton_block or triton_adam.BLOCK
+    triton_adam.WARPS = a.triton_warps or triton_adam.WARPS
     if not torch.cuda.is_available():
         print("optim_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     dist.init_process_group("nccl")
     mesh = init_device_mesh("cuda", (1,))
+    print(f"fused_adam's Triton kernel: {triton_adam.BLOCK} elements and {triton_adam.WARPS} warps per program")
     print(f"{'kind':<5} {'ranks':>5} {'M elems':>9} {'optimizer':<14} {'ms':>8} {'floor ms':>9} {'x floor':>8}")
     for kind in a.kinds.split(","):
         names = ["adamw", "te_fused_adam", "fused_adam"] if kind == "fp32" else ["te_fused_adam", "fused_adam", "fused_adam_2pass"]

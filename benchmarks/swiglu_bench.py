@@ -5,7 +5,7 @@ far its FP8 bytes lie from TE's.
 
     python benchmarks/swiglu_bench.py                 # the 1B and 8B presets' shapes (tokens of one step)
     python benchmarks/swiglu_bench.py --tokens 16384  # another token count for every shape
-    python benchmarks/swiglu_bench.py --tiles 64x64,128x64,64x128   # the fused kernel's tile (rows x columns)
+    python benchmarks/swiglu_bench.py --tiles 64x64x4,128x64x8,64x128x8   # the fused kernel's tile and warps
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def agreement(a, b) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=0, help="tokens for every shape (0: the presets' step)")
-    ap.add_argument("--tiles", default=f"{swiglu.BLOCK_ROWS}x{swiglu.BLOCK_COLS}",
-                    help="comma-separated tiles of the fused kernel to time, rows x columns")
+    ap.add_argument("--tiles", default=f"{swiglu.BLOCK_ROWS}x{swiglu.BLOCK_COLS}x{swiglu.WARPS}",
+                    help="comma-separated tiles of the fused kernel to time, rows x columns x warps")
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
     import transformer_engine.pytorch  # noqa: F401 -- initializes TE's extension
@@ -78,15 +78,16 @@ def main() -> None:
         te_fn = lambda: tex.bgrad_quantize(tex.dswiglu(g, x, None), q_te)[1]  # noqa: E731
         fused_fn = lambda: swiglu.dswiglu_fp8(tex.dswiglu, g, x, q_fused)[1]  # noqa: E731
         moved = g.numel() * 2 + x.numel() * 2 + 2 * x.numel()  # bf16 in, FP8 row-wise and column-wise out
-        for rows, cols in tiles:
-            swiglu.BLOCK_ROWS, swiglu.BLOCK_COLS = rows, cols
+        for rows, cols, warps in tiles:
+            swiglu.BLOCK_ROWS, swiglu.BLOCK_COLS, swiglu.WARPS = rows, cols, warps
             q_te.amax.zero_()
             q_fused.amax.zero_()
             same, worst = agreement(te_fn(), fused_fn())
             amax_gap = abs(q_te.amax.item() - q_fused.amax.item()) / q_te.amax.item()
             t_te, t_fused = timed(te_fn), timed(fused_fn)
-            print(f"| {name} ({m} x {n}) | {rows}x{cols} | {t_te:.3f} | {t_fused:.3f} | {t_te / t_fused:.2f}x | "
-                  f"{moved / t_fused / 1e6:,.0f} | {same:.5f} | {worst:.2f} (amax gap {amax_gap:.1e}) |", flush=True)
+            print(f"| {name} ({m} x {n}) | {rows}x{cols}, {warps} warps | {t_te:.3f} | {t_fused:.3f} | "
+                  f"{t_te / t_fused:.2f}x | {moved / t_fused / 1e6:,.0f} | {same:.5f} | {worst:.2f} (amax gap "
+                  f"{amax_gap:.1e}) |", flush=True)
 
 
 if __name__ == "__main__":

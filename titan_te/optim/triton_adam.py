@@ -20,7 +20,7 @@ import torch
 from titan_te.te import tensors
 
 
-BLOCK = 4096
+BLOCK, WARPS = 4096, 8  # elements per program and its warps (benchmarks/optim_bench.py --triton_block/_warps)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
@@ -74,7 +74,7 @@ def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, 
         gscale = grad_scale if grad_scale is not None else fp8.scale  # any pointer when unused
         kernel[(-(-n // BLOCK),)](g, p, m, v, fp8.data, fp8.scale, fp8.amax, fp8.scale_inv, gscale, n, lr,
                                   beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[fp8.data.dtype],
-                                  HAS_GSCALE=grad_scale is not None, WRITE_FP8=True, BLOCK=BLOCK, num_warps=8)
+                                  HAS_GSCALE=grad_scale is not None, WRITE_FP8=True, BLOCK=BLOCK, num_warps=WARPS)
         tensors.written_in_place(w)
 
 
@@ -90,4 +90,4 @@ def adam_(grads, weights, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wd, step
             continue
         gscale = grad_scale if grad_scale is not None else p  # any pointer when unused
         kernel[(-(-n // BLOCK),)](g, p, m, v, p, p, p, p, gscale, n, lr, beta1, beta2, eps, wd, bc1, bc2, 0.0,
-                                  HAS_GSCALE=grad_scale is not None, WRITE_FP8=False, BLOCK=BLOCK, num_warps=8)
+                                  HAS_GSCALE=grad_scale is not None, WRITE_FP8=False, BLOCK=BLOCK, num_warps=WARPS)

@@ -23,16 +23,15 @@ import torch
 
 from titan_te.te import tensors
 
-BLOCK_ROWS = 64
-BLOCK_COLS = 64
+BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 64, 4  # the kernel's tile and warps per tile
 
 
 def _takes(quantizer, grad: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether the kernel takes this case: a delayed-scaling quantizer that wants row-wise bytes, contiguous CUDA
-    inputs of a float dtype, the gradient half as wide as SwiGLU's input."""
+    """Whether the kernel takes this case: a delayed-scaling quantizer that wants row-wise bytes, contiguous bf16
+    CUDA inputs (TE then writes the derivative in bf16, the rounding the kernel repeats), the gradient half as wide
+    as SwiGLU's input."""
     return (tensors.is_delayed_quantizer(quantizer) and tensors.quantizer_usage(quantizer)[0]
-            and all(t.is_cuda and t.is_contiguous() and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                    for t in (grad, x))
+            and all(t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16 for t in (grad, x))
             and x.shape[-1] == 2 * grad.shape[-1] and x.numel() == 2 * grad.numel())
 
 
@@ -53,7 +52,7 @@ def dswiglu_fp8(te_dswiglu, grad: torch.Tensor, x: torch.Tensor, quantizer, **ac
         t = out.transpose
         dswiglu_cast_transpose[(-(-m // BLOCK_ROWS), -(-n // BLOCK_COLS))](
             grad, x, out.data, t if t is not None else out.data, out.scale, out.amax, out.scale_inv, m, n, out.fp8_max,
-            TRANSPOSE=t is not None, BM=BLOCK_ROWS, BN=BLOCK_COLS, num_warps=4)
+            TRANSPOSE=t is not None, BM=BLOCK_ROWS, BN=BLOCK_COLS, num_warps=WARPS)
     return None, result
 
 
