@@ -148,7 +148,9 @@ def breakdown(trace: Path) -> dict:
         by_name[e.get("name", "")] = by_name.get(e.get("name", ""), 0.0) + e["dur"]
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:30]:  # into the run's log
         print(f"  {us / n / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
-    print_callers(events, gpu, n)
+    chains = host_chains(events)
+    print_callers(chains, gpu, n)
+    print_idle(chains, queued, gpu, n)
     out = {c: v / n / 1e3 for c, v in per.items()}
     out["traced_ms"] = window / n / 1e3
     out["busy_pct"] = 100.0 * busy / window
@@ -190,16 +192,20 @@ def host_chains(events: list) -> dict:
     return chains
 
 
-def print_callers(events: list, gpu: list, n: int, kernels: int = 6, chains_each: int = 3) -> None:
+def _chain(chains: dict, e: dict) -> str:
+    """The innermost three host ops around the launch of GPU event `e`."""
+    return " > ".join(chains.get(e.get("args", {}).get("correlation"), [])[-3:]) or "(no host op)"
+
+
+def print_callers(chains: dict, gpu: list, n: int, kernels: int = 6, chains_each: int = 3) -> None:
     """Into the run's log: for the biggest kernels outside GEMM and attention, the host op chains that
     queued them (its innermost three ops) and their ms per step: where a copy or a cast comes from."""
-    chains = host_chains(events)
     by_kernel: dict[str, dict[str, float]] = {}
     for e in gpu:
         name = e.get("name", "")
         if category(name, e["cat"]) not in TRACED_TO_HOST:
             continue
-        chain = " > ".join(chains.get(e.get("args", {}).get("correlation"), [])[-3:]) or "(no host op)"
+        chain = _chain(chains, e)
         per = by_kernel.setdefault(name, {})
         per[chain] = per.get(chain, 0.0) + e["dur"]
     top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1].values()))[:kernels]
@@ -207,6 +213,26 @@ def print_callers(events: list, gpu: list, n: int, kernels: int = 6, chains_each
         print(f"  queued by, for {sum(per.values()) / n / 1e3:.2f} ms of {name[:100]}:")
         for chain, us in sorted(per.items(), key=lambda kv: -kv[1])[:chains_each]:
             print(f"      {us / n / 1e3:8.2f} ms  {chain[:300]}")
+
+
+def print_idle(chains: dict, queued: dict, gpu: list, n: int, top: int = 6, min_gap_us: float = 5.0) -> None:
+    """Into the run's log: the idle time of the traced steps by what ended it, the host op chain that queued the
+    GPU work after each gap, and whether the host queued that work only after the GPU had run dry ("host-bound":
+    the host was behind) or before ("queued earlier": the GPU waited on something else, a stream or a copy)."""
+    by_cause: dict[tuple[str, str], list[float]] = {}
+    end = None
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] - end >= min_gap_us:
+            late = queued.get(e.get("args", {}).get("correlation"), e["ts"]) >= end
+            cause = by_cause.setdefault(("host-bound" if late else "queued earlier", _chain(chains, e)), [0.0, 0])
+            cause[0] += e["ts"] - end
+            cause[1] += 1
+        end = max(end if end is not None else e["ts"], e["ts"] + e["dur"])
+    if not by_cause:
+        return
+    print(f"  idle, by the host op chain that queued the work after each gap of {min_gap_us:g} us or more:")
+    for (kind, chain), (us, count) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"      {us / n / 1e3:8.2f} ms  {count / n:6.1f} gaps per step  {kind:<14}  {chain[:250]}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -122,3 +122,25 @@ def test_breakdown_names_the_host_ops_that_queued_the_copies(tmp_path, capsys):
     assert "0.03 ms  aten::to > aten::copy_ [float [8, 4], c10::BFloat16 [8, 4]]" in out, out
     assert "0.01 ms  autograd::engine::evaluate_function: SliceBackward0" in out, out
     assert "queued by, for 0.10 ms of nvjet" not in out
+
+
+def test_breakdown_names_what_ended_each_idle_gap(tmp_path, capsys):
+    """An idle gap on the GPU is put on the host op chain that queued the work after it: "host-bound" when that
+    work was queued only after the GPU ran dry, "queued earlier" when it waited for something else."""
+    step = [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "ts": 1000 * i, "dur": 1000,
+             "pid": 1, "tid": 1} for i in range(2)]
+    ops = [{"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+           for name, ts, dur in [("aten::mm", 40, 20), ("optimizer_prep", 100, 400), ("aten::add", 540, 20)]]
+    launches = [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t, "dur": 2, "pid": 1,
+                 "tid": 1, "args": {"correlation": c}} for c, t in [(1, 50), (2, 480), (3, 550)]]
+    work = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": c}}
+            for c, name, ts, dur in [(1, "nvjet_sm90_gemm", 60, 140),  # GPU idle 200-490: the host was behind
+                                     (2, "adam", 490, 110),  # idle 600-900: queued at 550, started late
+                                     (3, "vectorized_elementwise_kernel", 900, 50)]]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": step + ops + launches + work}))
+    parts = train_bench.breakdown(trace)
+    out = capsys.readouterr().out
+    assert abs(parts["idle"] - 0.59) < 1e-9, parts
+    assert "0.29 ms     1.0 gaps per step  host-bound      optimizer_prep" in out, out
+    assert "0.30 ms     1.0 gaps per step  queued earlier  aten::add" in out, out
