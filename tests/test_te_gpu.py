@@ -429,13 +429,23 @@ def test_fused_swiglu_backward_matches_tes_derivative_and_cast(columnwise):
         assert out._transpose is None
 
 
+class _CountedLaunches:
+    """A Triton kernel that counts its launches (each `kernel[grid](...)`) and runs them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 def _fused_swiglu_run(rank, world, tmp, overrides):
-    from transformer_engine.pytorch.module import layernorm_mlp
+    """(losses, launches of the fused kernel) of a _train_1b run."""
+    from titan_te.te import swiglu_kernels
 
-    from titan_te.te import swiglu
-
-    losses = _train_1b(rank, world, tmp, overrides)
-    return losses, getattr(layernorm_mlp._act_func, "titan_te_fused", False) and swiglu._ON
+    counted = swiglu_kernels.dswiglu_cast_transpose = _CountedLaunches(swiglu_kernels.dswiglu_cast_transpose)
+    return _train_1b(rank, world, tmp, overrides), counted.launches
 
 
 def test_fused_swiglu_training_follows_tes_kernels(tmp_path):
@@ -444,12 +454,14 @@ def test_fused_swiglu_training_follows_tes_kernels(tmp_path):
     short = {"training.steps": 20, "fp8.enable": True, **PRESET_FP8}
     runs = {on: run_ranks(_fused_swiglu_run, 1, str(tmp_path / str(on)), {**short, "fp8.fused_swiglu": on})[0]
             for on in (True, False)}
-    assert runs[True][1] and not runs[False][1]  # the fused backward ran in one and only one
+    # 2 blocks, 20 steps and the calibration pass: one launch per block and backward
+    assert (runs[True][1], runs[False][1]) == (2 * 21, 0)
     fused, te = runs[True][0], runs[False][0]
     worst = max(abs(a - b) / b for a, b in zip(fused, te))
     print(f"fused swiglu vs TE's kernels, 20 steps: worst relative loss difference {worst:.2e}; losses "
           f"{' '.join(f'{x:.4f}' for x in fused)}")
-    assert len(fused) == 20 and worst < 3e-3
+    # (the one-rank mode against FSDP, the same math in another order, measured 2.5e-3 at most over these steps)
+    assert len(fused) == 20 and worst < 5e-3
 
 
 def _bf16_layer_flags(rank, world, tmp, layers):
