@@ -21,7 +21,6 @@ from titan_te.te import tensors
 
 
 BLOCK, WARPS = 4096, 8  # elements per program and its warps (benchmarks/optim_bench.py --triton_block/_warps)
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 @functools.cache
@@ -73,7 +72,7 @@ def adam_fp8_(grads, weights, masters, exp_avgs, exp_avg_sqs, lr, beta1, beta2, 
         fp8 = tensors.delayed_fp8(w)
         gscale = grad_scale if grad_scale is not None else fp8.scale  # any pointer when unused
         kernel[(-(-n // BLOCK),)](g, p, m, v, fp8.data, fp8.scale, fp8.amax, fp8.scale_inv, gscale, n, lr,
-                                  beta1, beta2, eps, wd, bc1, bc2, FP8_MAX[fp8.data.dtype],
+                                  beta1, beta2, eps, wd, bc1, bc2, fp8.fp8_max,
                                   HAS_GSCALE=grad_scale is not None, WRITE_FP8=True, BLOCK=BLOCK, num_warps=WARPS)
         tensors.written_in_place(w)
 
