@@ -150,7 +150,7 @@ def breakdown(trace: Path) -> dict:
         print(f"  {us / n / 1e3:8.2f} ms  {category(name, 'kernel'):<15} {name[:150]}")
     chains = host_chains(events)
     print_callers(chains, gpu, n)
-    print_idle(chains, queued, gpu, n)
+    print_idle(chains, queued, steps, gpu, n)
     out = {c: v / n / 1e3 for c, v in per.items()}
     out["traced_ms"] = window / n / 1e3
     out["busy_pct"] = 100.0 * busy / window
@@ -215,24 +215,30 @@ def print_callers(chains: dict, gpu: list, n: int, kernels: int = 6, chains_each
             print(f"      {us / n / 1e3:8.2f} ms  {chain[:300]}")
 
 
-def print_idle(chains: dict, queued: dict, gpu: list, n: int, top: int = 6, min_gap_us: float = 5.0) -> None:
+def print_idle(chains: dict, queued: dict, steps: list, gpu: list, n: int, top: int = 6,
+               min_gap_us: float = 5.0) -> None:
     """Into the run's log: the idle time of the traced steps by what ended it, the host op chain that queued the
-    GPU work after each gap, and whether the host queued that work only after the GPU had run dry ("host-bound":
-    the host was behind) or before ("queued earlier": the GPU waited on something else, a stream or a copy)."""
+    GPU work after each gap, whether the host queued that work only after the GPU had run dry ("host-bound":
+    the host was behind) or before ("queued earlier": the GPU waited on something else, a stream or a copy), and
+    where in its step (host time, 0% its start) that work was queued, on average."""
     by_cause: dict[tuple[str, str], list[float]] = {}
     end = None
     for e in sorted(gpu, key=lambda e: e["ts"]):
         if end is not None and e["ts"] - end >= min_gap_us:
-            late = queued.get(e.get("args", {}).get("correlation"), e["ts"]) >= end
-            cause = by_cause.setdefault(("host-bound" if late else "queued earlier", _chain(chains, e)), [0.0, 0])
+            at = queued.get(e.get("args", {}).get("correlation"), e["ts"])
+            a, b = next(((a, b) for a, b in steps if a <= at < b), (at, at + 1))
+            cause = by_cause.setdefault(("host-bound" if at >= end else "queued earlier", _chain(chains, e)),
+                                        [0.0, 0, 0.0])
             cause[0] += e["ts"] - end
             cause[1] += 1
+            cause[2] += (at - a) / (b - a)
         end = max(end if end is not None else e["ts"], e["ts"] + e["dur"])
     if not by_cause:
         return
     print(f"  idle, by the host op chain that queued the work after each gap of {min_gap_us:g} us or more:")
-    for (kind, chain), (us, count) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"      {us / n / 1e3:8.2f} ms  {count / n:6.1f} gaps per step  {kind:<14}  {chain[:250]}")
+    for (kind, chain), (us, count, where) in sorted(by_cause.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"      {us / n / 1e3:8.2f} ms  {count / n:6.1f} gaps per step  {kind:<14}  at {where / count:4.0%} of "
+              f"its step  {chain[:250]}")
 
 
 # ------------------------------------------------------------------------------------------------

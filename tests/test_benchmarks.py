@@ -142,5 +142,5 @@ def test_breakdown_names_what_ended_each_idle_gap(tmp_path, capsys):
     parts = train_bench.breakdown(trace)
     out = capsys.readouterr().out
     assert abs(parts["idle"] - 0.59) < 1e-9, parts
-    assert "0.29 ms     1.0 gaps per step  host-bound      optimizer_prep" in out, out
-    assert "0.30 ms     1.0 gaps per step  queued earlier  aten::add" in out, out
+    assert "0.29 ms     1.0 gaps per step  host-bound      at  48% of its step  optimizer_prep" in out, out
+    assert "0.30 ms     1.0 gaps per step  queued earlier  at  55% of its step  aten::add" in out, out
