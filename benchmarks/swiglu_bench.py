@@ -57,13 +57,16 @@ def agreement(a, b) -> tuple[float, float]:
     return equal / total, worst
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=0, help="tokens for every shape (0: the presets' step)")
     ap.add_argument("--tiles", default=f"{swiglu.BLOCK_ROWS}x{swiglu.BLOCK_COLS}x{swiglu.WARPS}",
                     help="comma-separated tiles of the fused kernel to time, rows x columns x warps")
     a = ap.parse_args()
     tiles = [tuple(int(v) for v in t.split("x")) for t in a.tiles.split(",")]
+    if not torch.cuda.is_available():
+        print("swiglu_bench needs a CUDA GPU with Transformer Engine", file=sys.stderr)
+        return 2
     import transformer_engine.pytorch  # noqa: F401 -- initializes TE's extension
     import transformer_engine_torch as tex
 
@@ -88,7 +91,8 @@ def main() -> None:
             print(f"| {name} ({m} x {n}) | {rows}x{cols}, {warps} warps | {t_te:.3f} | {t_fused:.3f} | "
                   f"{t_te / t_fused:.2f}x | {moved / t_fused / 1e6:,.0f} | {same:.5f} | {worst:.2f} (amax gap "
                   f"{amax_gap:.1e}) |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
