@@ -51,15 +51,20 @@ class DelayedFP8:
 def delayed_fp8(w) -> DelayedFP8 | None:
     """The in-place-writable parts of a delayed-scaling FP8 weight, or None for any other tensor."""
     try:
-        import transformer_engine_torch as tex
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
     except ImportError:
         return None
     if not (isinstance(w, Float8Tensor) and isinstance(w._quantizer, Float8Quantizer)):
         return None
-    dtype = torch.float8_e5m2 if w._fp8_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
     q = w._quantizer
-    return DelayedFP8(w._data, w._data.view(dtype), q.scale, q.amax, w._scale_inv, w._fp8_dtype)
+    return DelayedFP8(w._data, w._data.view(_torch_fp8(w._fp8_dtype)), q.scale, q.amax, w._scale_inv, w._fp8_dtype)
+
+
+def _torch_fp8(te_dtype) -> torch.dtype:
+    """torch's float8 dtype for TE's FP8 dtype code."""
+    import transformer_engine_torch as tex
+
+    return torch.float8_e5m2 if te_dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
 
 
 def is_delayed_quantizer(q) -> bool:
@@ -79,10 +84,8 @@ def quantizer_usage(q) -> tuple[bool, bool]:
 def new_delayed(quantizer, shape, dtype: torch.dtype, device) -> tuple[object, DelayedFP8]:
     """An uninitialized tensor of delayed-scaling `quantizer` (its layouts as the quantizer's usage says; a TE
     tensor that stands for `dtype`) and the parts a kernel writes to fill it."""
-    import transformer_engine_torch as tex
-
     t = quantizer.make_empty(list(shape), dtype=dtype, device=device)
-    fp8 = torch.float8_e5m2 if quantizer.dtype == tex.DType.kFloat8E5M2 else torch.float8_e4m3fn
+    fp8 = _torch_fp8(quantizer.dtype)
     transpose = t._transpose.view(fp8) if t._transpose is not None else None
     return t, DelayedFP8(t._data, t._data.view(fp8), quantizer.scale, quantizer.amax, t._scale_inv, quantizer.dtype,
                          transpose)
