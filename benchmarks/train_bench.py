@@ -64,9 +64,10 @@ RUNS = {
     "8b_fp8_b2": ("preset", "8b", ["--training.local_batch_size=2"]),
     "8b_fp8_b2_every4": ("preset", "8b", ["--training.local_batch_size=2", "--activation_checkpoint.mode=every_n",
                                           "--activation_checkpoint.every_n=4"]),
-    # SwiGLU's derivative fused with its FP8 cast and transpose (titan_te/te/swiglu.py)
-    "1b_fp8_fused_swiglu": ("preset", "1b", ["--fp8.fused_swiglu=true"]),
-    "8b_fp8_fused_swiglu": ("preset", "8b", ["--fp8.fused_swiglu=true"]),
+    # the presets fuse SwiGLU's derivative with its FP8 cast and transpose (fp8.fused_swiglu); these run TE's two
+    # kernels instead
+    "1b_fp8_tes_swiglu": ("preset", "1b", ["--fp8.fused_swiglu=false"]),
+    "8b_fp8_tes_swiglu": ("preset", "8b", ["--fp8.fused_swiglu=false"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
 }
 DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"
