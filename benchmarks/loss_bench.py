@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"1b": "llama3_1b_fp8", "8b": "llama_fp8"}
 # run name -> overrides of the preset
 RUNS = {
-    "bf16": ["--fp8.enable=false", "--fp8.params=false", "--fp8.head=off"],
+    "bf16": ["--fp8.enable=false"],
     "fp8": [],
     "fp8_attention": ["--fp8.attention=true"],
     "fp8_current": ["--fp8.recipe=current"],

@@ -50,7 +50,7 @@ RUNS = {
     # FSDP with the blocks as the only units (the root holds embedding, norm and head), beside *_fsdp
     "1b_fp8_blocks_plan": ("blocks_plan", "1b", ["--parallelism.unsharded_one_rank=false"]),
     "8b_fp8_blocks_plan": ("blocks_plan", "8b", ["--parallelism.unsharded_one_rank=false"]),
-    "1b_bf16": ("preset", "1b", ["--fp8.enable=false", "--fp8.params=false"]),
+    "1b_bf16": ("preset", "1b", ["--fp8.enable=false"]),
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
     "8b_fp8": ("preset", "8b", []),

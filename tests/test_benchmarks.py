@@ -64,7 +64,7 @@ def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_p
     from conftest import ROOT
 
     out = tmp_path / "bench.json"
-    cpu = ["--model.backend=torch", "--fp8.enable=false", "--fp8.params=false", "--fp8.head=off",
+    cpu = ["--model.backend=torch", "--fp8.enable=false",
            "--training.device=cpu", "--optimizer.name=adamw", "--training.local_batch_size=2"]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/train_bench.py"), "--runs", "1b_fp8", "--flavor", "debug",
                         "--n_layers", "1", "--seq_len", "64", "--warmup", "1", "--steps", "2", "--profile_steps", "1",

@@ -244,6 +244,27 @@ def test_an_option_the_chosen_dataset_tokenizer_or_recipe_ignores_is_refused_unl
     assert "--data.num_workers (int, default 0)\n      data-loader worker processes\n  --" in out  # every dataset
 
 
+def test_fp8_presets_train_without_fp8_when_the_command_line_turns_it_off(tmp_path):
+    """The FP8 presets' refinements of FP8 (fp8.params, head, fused_swiglu) are for their own FP8: --fp8.enable=false
+    alone trains them without FP8, the refinements back at their defaults (what --print-config shows); one typed
+    with it, or one a file sets without FP8, is refused."""
+    for preset in ("llama3_1b_fp8", "llama_fp8"):
+        cfg, _ = C.load(["--config", preset, "--fp8.enable=false"], hardware=False)
+        assert (cfg.fp8.enable, cfg.fp8.params, cfg.fp8.head, cfg.fp8.fused_swiglu) == (False, False, "off", False)
+        assert 'head = "off"' in C.to_toml(cfg) and "fp8.head" not in cfg.origins
+        on, _ = C.load(["--config", preset], hardware=False)
+        assert (on.fp8.enable, on.fp8.params, on.fp8.fused_swiglu) == (True, True, True)
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text("[fp8]\nenable = false\nfused_swiglu = true\n")
+    for argv in (["--config", str(mixed)],
+                 ["--config", "llama3_1b_fp8", "--fp8.enable=false", "--fp8.fused_swiglu=true"]):
+        with pytest.raises(C.ConfigError, match="fp8.fused_swiglu = true fuses SwiGLU's derivative with its FP8 cast, "
+                                                "which needs fp8.enable = true"):
+            C.load(argv, hardware=False)
+    with pytest.raises(C.ConfigError, match="fp8.head = 'all' needs fp8.enable = true"):
+        C.load(["--config", "llama3_1b_fp8", "--fp8.enable=false", "--fp8.head=all"], hardware=False)
+
+
 def test_a_model_familys_own_rules_run_with_the_config(capsys):
     """Llama's rule (FP8 attention needs head_dim 128) is on its spec and runs before anything is built."""
     from titan_te.main import main

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import difflib
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from titan_te.config.schema import (MISSING_VALUE, Config, _closest, _coerce, _fields, _registry_fields, _type_of,
                                     bare_flag, sections)
-from titan_te.config.validation import validate
+from titan_te.config.validation import CLI, validate
 from titan_te.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ def _set_component(cfg: Config, section: str, key: str, value: Any, where: str) 
 
 
 def _set(cfg: Config, dotted: str, value: Any, where: str) -> None:
-    cli = where == "on the command line"
+    cli = where == CLI
     if "." not in dotted:
         raise ConfigError(f"'{dotted}' is not of the form section.key ({where})")
     section, key = dotted.split(".", 1)
@@ -144,8 +144,24 @@ def build(toml_data: dict, overrides: list[tuple[str, str]], source: str = "<def
         for key, value in body.items():
             _set(cfg, f"{section}.{key}", value, f"in {source}")
     for key, value in overrides:
-        _set(cfg, key, value, "on the command line")
+        _set(cfg, key, value, CLI)
+    _switched_off(cfg)
     return cfg
+
+
+def _switched_off(cfg: Config) -> None:
+    """A file's refinements of an on/off option (`refines`, e.g. the FP8 presets' fp8.head and fp8.params) are
+    for the file's own setting: when the command line turns that option off they go back to their defaults, so
+    `--fp8.enable=false` alone trains an FP8 preset without FP8. One typed on the command line stays (and is
+    checked against the switch)."""
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for key, f in _fields(cls).items():
+            switch = f.metadata.get("refines")
+            if (switch and cfg.origins.get(f"{section}.{switch}") == CLI and not getattr(body, switch)
+                    and cfg.origins.get(f"{section}.{key}") not in (None, CLI)):
+                setattr(body, key, f.default_factory() if f.default is MISSING else f.default)
+                del cfg.origins[f"{section}.{key}"]
 
 
 def load(argv: list[str], hardware: bool = True) -> tuple[Config, CliArgs]:

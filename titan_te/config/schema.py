@@ -47,15 +47,18 @@ WEEK_S = 7 * 24 * 3600
 
 
 def opt(default: Any, doc: str, *, choices: tuple | None = None, registry: str | None = None,
-        bounds: Bounds | None = None, path: str | None = None):
+        bounds: Bounds | None = None, path: str | None = None, refines: str | None = None):
     """A config field with a default and a one-line doc.
 
     `choices` is a fixed set of values; `registry` names "module:ATTR" of a Registry whose names
     are the valid values (resolved lazily so custom imports can add entries first); `bounds` is the
     valid interval of a number (every float must also be finite: NaN and inf are never valid); `path`
-    marks a file-system path: "run" for one inside the run folder unless absolute, "any" for others.
+    marks a file-system path: "run" for one inside the run folder unless absolute, "any" for others;
+    `refines` names the on/off option of the same section that this one needs (a file's value goes back to
+    the default when the command line turns that option off: loading.build).
     """
-    meta = {"doc": doc, "choices": choices, "registry": registry, "bounds": bounds, "path": path}
+    meta = {"doc": doc, "choices": choices, "registry": registry, "bounds": bounds, "path": path,
+            "refines": refines}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -250,17 +253,18 @@ class FP8:
                                            "gradients quantized at the initial scale of 1")
     fused_swiglu: bool = opt(False, "delayed scaling: the backward of TE's bias-free SwiGLU MLPs computes SwiGLU's "
                                     "derivative with its FP8 cast and transpose in one Triton kernel "
-                                    "(titan_te/te/swiglu.py) instead of TE's two passes")
+                                    "(titan_te/te/swiglu.py) instead of TE's two passes", refines="enable")
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
-                              "needs an optimizer with FP32 master weights")
+                              "needs an optimizer with FP32 master weights", refines="enable")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
                                                    "pre-quantization init values")
     bf16_layers: list[int] = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")
     attention: bool = opt(False, "also run attention in FP8 (TE's fp8_dpa through cuDNN; delayed or current "
-                                 "scaling): faster, slightly less exact")
+                                 "scaling): faster, slightly less exact", refines="enable")
     head: str = opt("off", "the fused output head in FP8 (current per-tensor scaling): dgrad = the gradient into "
                            "the model (e5m2 x e4m3), all = the logits too; off = bf16 (torchtitan's and "
-                           "Megatron's default); its weight gradient stays bf16", choices=("off", "dgrad", "all"))
+                           "Megatron's default); its weight gradient stays bf16", choices=("off", "dgrad", "all"),
+                    refines="enable")
 
 
 @dataclass
