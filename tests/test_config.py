@@ -244,9 +244,9 @@ def test_an_option_the_chosen_dataset_tokenizer_or_recipe_ignores_is_refused_unl
     assert "--data.num_workers (int, default 0)\n      data-loader worker processes\n  --" in out  # every dataset
 
 
-def test_fp8_presets_train_without_fp8_when_the_command_line_turns_it_off(tmp_path):
+def test_fp8_enable_false_alone_turns_an_fp8_presets_refinements_off(tmp_path):
     """The FP8 presets' refinements of FP8 (fp8.params, head, fused_swiglu) are for their own FP8: --fp8.enable=false
-    alone trains them without FP8, the refinements back at their defaults (what --print-config shows); one typed
+    alone loads them without FP8, the refinements back at their defaults (what --print-config shows); one typed
     with it, or one a file sets without FP8, is refused."""
     for preset in ("llama3_1b_fp8", "llama_fp8"):
         cfg, _ = C.load(["--config", preset, "--fp8.enable=false"], hardware=False)
