@@ -144,3 +144,48 @@ def test_breakdown_names_what_ended_each_idle_gap(tmp_path, capsys):
     assert abs(parts["idle"] - 0.59) < 1e-9, parts
     assert "0.29 ms     1.0 gaps per step  host-bound      at  48% of its step  optimizer_prep" in out, out
     assert "0.30 ms     1.0 gaps per step  queued earlier  at  55% of its step  aten::add" in out, out
+
+
+def test_cast_probe_finds_autograds_gradient_cast_and_names_the_line_of_each_cast(tmp_path):
+    """A bf16 gradient for an FP32 tensor is cast by autograd (what FP8 weights of FP32 nominal dtype cost); the
+    table lists it first by bytes with its shape and dtypes; small casts under min_numel are left out."""
+    import torch
+
+    import cast_probe
+
+    class Bf16Grad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w.to(torch.bfloat16).sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones(64, 32, dtype=torch.bfloat16) * g
+
+    w = torch.zeros(64, 32, requires_grad=True)
+    recorder = cast_probe.CastRecorder(min_numel=1000)
+    with recorder:
+        Bf16Grad.apply(w).backward()
+        torch.zeros(10).to(torch.float16)  # under min_numel
+    assert w.grad.dtype == torch.float32
+    casts = {(shape, src, dst): n for (shape, src, dst, _), n in recorder.seen.items()}
+    assert casts == {((64, 32), torch.float32, torch.bfloat16): 1, ((64, 32), torch.bfloat16, torch.float32): 1}
+    rows = cast_probe.table(recorder.seen)
+    assert rows[2].startswith("| 1 | [64, 32] | ") and "tests/test_benchmarks.py:" in rows[2]
+
+
+def test_cast_probe_runs_a_training_step_and_names_our_lines(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/cast_probe.py"), "--config", "debug", "--min_numel", "1",
+                        "--warmup", "1", "--model.backend=torch", "--training.device=cpu",
+                        f"--job.dump_folder={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dtype casts of >= 1 elements in step 2" in r.stdout
+    assert "| int64 -> float32 | 0.0 | titan_te/trainer.py:" in r.stdout  # the step's token count
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/cast_probe.py"), "--config", "debug",
+                          "--training.steps_typo=3"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("config error: unknown key training.steps_typo")
