@@ -12,6 +12,7 @@ dtype, e.g. TE's bf16 weight gradients to the FP32 nominal dtype of FP8 weights)
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import traceback
 from collections import Counter
@@ -55,10 +56,7 @@ def table(seen: Counter) -> list[str]:
     """Markdown rows, the most bytes moved (read and written) first."""
     rows = []
     for (shape, src, dst, where), n in seen.items():
-        numel = 1
-        for d in shape:
-            numel *= d
-        moved = n * numel * (src.itemsize + dst.itemsize)
+        moved = n * math.prod(shape) * (src.itemsize + dst.itemsize)
         rows.append((moved, f"| {n} | {list(shape)} | {str(src).removeprefix('torch.')} -> "
                             f"{str(dst).removeprefix('torch.')} | {moved / 1e6:,.1f} | {where} |"))
     rows.sort(key=lambda r: -r[0])

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import difflib
 import tomllib
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from titan_te.config.schema import (MISSING_VALUE, Config, _closest, _coerce, _fields, _registry_fields, _type_of,
                                     bare_flag, sections)
-from titan_te.config.validation import CLI, validate
+from titan_te.config.validation import CLI, _default, validate
 from titan_te.errors import ConfigError
 
 
@@ -160,7 +160,7 @@ def _switched_off(cfg: Config) -> None:
             switch = f.metadata.get("refines")
             if (switch and cfg.origins.get(f"{section}.{switch}") == CLI and not getattr(body, switch)
                     and cfg.origins.get(f"{section}.{key}") not in (None, CLI)):
-                setattr(body, key, f.default_factory() if f.default is MISSING else f.default)
+                setattr(body, key, _default(cls, key))
                 del cfg.origins[f"{section}.{key}"]
 
 

@@ -30,7 +30,7 @@ def _takes(quantizer, grad: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether the kernel takes this case: a delayed-scaling quantizer that wants row-wise bytes, contiguous bf16
     CUDA inputs (TE then writes the derivative in bf16, the rounding the kernel repeats), the gradient half as wide
     as SwiGLU's input."""
-    return (tensors.is_delayed_quantizer(quantizer) and tensors.quantizer_usage(quantizer)[0]
+    return (tensors.is_delayed_quantizer(quantizer) and tensors.wants_rowwise(quantizer)
             and all(t.is_cuda and t.is_contiguous() and t.dtype == torch.bfloat16 for t in (grad, x))
             and x.shape[-1] == 2 * grad.shape[-1] and x.numel() == 2 * grad.numel())
 

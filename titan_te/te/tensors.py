@@ -76,9 +76,9 @@ def is_delayed_quantizer(q) -> bool:
     return type(q) is Float8Quantizer
 
 
-def quantizer_usage(q) -> tuple[bool, bool]:
-    """(row-wise, column-wise): the layouts a quantizer's tensors are made with."""
-    return q.rowwise_usage, q.columnwise_usage
+def wants_rowwise(q) -> bool:
+    """Whether a quantizer's tensors are made with their row-wise layout."""
+    return q.rowwise_usage
 
 
 def new_delayed(quantizer, shape, dtype: torch.dtype, device) -> tuple[object, DelayedFP8]:
