@@ -68,6 +68,10 @@ RUNS = {
     # kernels instead
     "1b_fp8_tes_swiglu": ("preset", "1b", ["--fp8.fused_swiglu=false"]),
     "8b_fp8_tes_swiglu": ("preset", "8b", ["--fp8.fused_swiglu=false"]),
+    # on one rank TE's GEMMs write the weight gradients in FP32 in place (model.fuse_wgrad_accumulation); these
+    # take autograd's bf16 gradients and cast them instead
+    "1b_fp8_autograd_wgrad": ("preset", "1b", ["--model.fuse_wgrad_accumulation=false"]),
+    "8b_fp8_autograd_wgrad": ("preset", "8b", ["--model.fuse_wgrad_accumulation=false"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
 }
 DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"

@@ -125,12 +125,6 @@ def test_custom_import_registers_a_dataset(tmp_path, monkeypatch):
         C.load(["--job.custom_import=no_such_mod"])
 
 
-def test_fuse_wgrad_accumulation_with_fsdp_explains_the_bypassed_reduce_scatter():
-    r = train("--model.fuse_wgrad_accumulation=true", "--parallelism.data_parallel=fsdp")
-    assert r.returncode == 2 and r.stderr.startswith("config error: model.fuse_wgrad_accumulation")
-    assert "reduce-scatters" in r.stderr and "Traceback" not in r.stderr
-
-
 def test_help_with_a_config_file_shows_its_values_beside_the_defaults(capsys):
     from titan_te.main import main
 

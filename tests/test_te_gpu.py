@@ -516,3 +516,70 @@ def test_a_fresh_optimizer_over_resumed_fp8_weights_starts_from_them_not_from_in
     print("first run", [f"{x:.3f}" for x in first[1]], "\nresumed without optimizer", [f"{x:.3f}" for x in again[1]])
     assert again[0] == 6
     assert max(again[1]) < first[1][0] - 0.5 * (first[1][0] - first[1][-1])  # nowhere near init's loss again
+
+
+def _weight_grads(rank, world, tmp, fuse):
+    """The gradients of two micro-batches' forward and backward on 1B-wide blocks with the presets' FP8 setting on
+    one rank (no FSDP), TE writing its weight gradients in place (`fuse`) or handing them to autograd; with what
+    the in-place buffers looked like before publish() and after release()."""
+    from titan_te.trainer import Trainer
+
+    sections = {"model": {"backend": "te", "flavor": "1B", "n_layers": 2, "fuse_wgrad_accumulation": fuse},
+                "training": {"local_batch_size": 2, "seq_len": 256}, "parallelism": {"unsharded_one_rank": True},
+                "fp8": {"enable": True}}
+    for key, value in PRESET_FP8.items():
+        sec, k = key.split(".")
+        sections.setdefault(sec, {})[k] = value
+    tr = Trainer(make_cfg(tmp, world=world, **sections))
+    named = dict(tr.model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        tokens = torch.randint(0, 256, (2, 257), generator=g).cuda()
+        tr.wgrads.microbatch(first=i == 0)
+        tr.loss_sum(tokens[:, :-1], tokens[:, 1:]).backward()
+    in_place = {n for n, p in named.items() if getattr(p, "main_grad", None) is not None}
+    autograd = {n for n, p in named.items() if p.grad is not None}
+    tr.wgrads.publish()
+    grads = {n: p.grad.detach().float().cpu() for n, p in named.items() if p.grad is not None}
+    dtypes = {str(p.grad.dtype) for p in named.values() if p.grad is not None}
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.wgrads.release()
+    held = [n for n, p in named.items() if getattr(p, "main_grad", None) is not None]
+    tr.close()
+    return grads, {"in_place": in_place, "autograd": autograd, "dtypes": dtypes, "held": held}
+
+
+def test_weight_gradients_written_in_place_by_te_equal_autograds(tmp_path):
+    """model.fuse_wgrad_accumulation on one rank: TE's GEMMs write the FP8 weights' gradients in FP32 into
+    buffers (no bf16 gradient, no cast), the second micro-batch adds to the first's, and the buffers become
+    param.grad; they equal autograd's sums of bf16 gradients up to bf16's rounding, every other gradient is
+    the same bytes, and release() frees them."""
+    fused, info = run_ranks(_weight_grads, 1, str(tmp_path / "on"), True)[0]
+    plain, plain_info = run_ranks(_weight_grads, 1, str(tmp_path / "off"), False)[0]
+    gemm = sorted(info["in_place"])
+    # 2 blocks x (fused QKV, attention output, FC1, FC2)
+    assert len(gemm) == 8 and all(n.endswith("weight") for n in gemm), gemm
+    assert not info["in_place"] & info["autograd"] and plain_info["in_place"] == set()
+    assert set(fused) == set(plain) and info["dtypes"] == {"torch.float32"} and info["held"] == []
+    worst = 0.0
+    for name in gemm:
+        gap = ((fused[name] - plain[name]).norm() / plain[name].norm()).item()
+        worst = max(worst, gap)
+    print(f"in-place FP32 weight gradients vs autograd's bf16 ones, 2 micro-batches: worst relative gap "
+          f"{worst:.2e} over {len(gemm)} weights")
+    assert worst < 5e-3  # bf16 rounds to 2^-9 relative; a lost or doubled micro-batch would be ~0.5 or more
+    others = [n for n in fused if n not in info["in_place"]]
+    assert others and all(torch.equal(fused[n], plain[n]) for n in others)
+
+
+def test_in_place_weight_gradients_train_like_autograds_with_accumulation(tmp_path):
+    """The presets' FP8 setting on 1B-wide blocks, one rank, 2 micro-batches a step: the same losses step for step
+    with TE's in-place FP32 weight gradients as with autograd's, up to bf16's rounding of the latter."""
+    short = {"training.steps": 20, "training.local_batch_size": 2, "training.global_batch_size": 4,
+             "parallelism.unsharded_one_rank": True, "fp8.enable": True, **PRESET_FP8}
+    runs = {on: run_ranks(_train_1b, 1, str(tmp_path / str(on)), {**short, "model.fuse_wgrad_accumulation": on})[0]
+            for on in (True, False)}
+    worst = max(abs(a - b) / b for a, b in zip(runs[True], runs[False]))
+    print(f"in-place vs autograd weight gradients, 20 steps of 2 micro-batches: worst relative loss difference "
+          f"{worst:.2e}")
+    assert len(runs[True]) == 20 and worst < 5e-3

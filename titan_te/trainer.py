@@ -47,6 +47,7 @@ from titan_te.errors import ConfigError, Diverged, Interrupted, OutOfMemory, Use
 from titan_te.preemption import SIGNALS, preempted
 from titan_te.te.policy import FP8Policy
 from titan_te.te.stats import fp8_stats
+from titan_te.te.wgrad import WeightGradBuffers
 from titan_te.run_folder import FolderLock, attach_log_file, detach_log_file, log_to_file
 from titan_te.profiling import Profiler
 from titan_te.validation import Validator
@@ -154,7 +155,7 @@ class Trainer:
         model = self._model(cfg.model, cfg.fp8, cfg.training, cfg)  # 3.
         self.train_model = self._parallelize(model, cfg.parallelism, cfg.activation_checkpoint, cfg.compile,
                                              cfg.training)  # 4.
-        self._initialize(model, cfg.training)  # 5.
+        self._initialize(model, cfg.training, cfg.model.fuse_wgrad_accumulation)  # 5.
         self._optimizer(model, cfg)  # 6.
         self._checkpoints(model, cfg.checkpoint, cfg.training)  # 7.
         self._outputs(cfg, val_source)  # 8.
@@ -239,13 +240,15 @@ class Trainer:
         self.parallel = parallel.name
         self._no_sync = parallel.no_sync
         train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model), self.fp8)
+        self._grads_local = parallel.local_grads
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype
         return train_model
 
-    def _initialize(self, model, t) -> None:
-        """5. Materialize and initialize: the same full weights for any world size and seed."""
+    def _initialize(self, model, t, fuse_wgrad: bool) -> None:
+        """5. Materialize and initialize: the same full weights for any world size and seed; then TE's in-place
+        weight gradients where they apply (model.fuse_wgrad_accumulation)."""
         backend_spec = BACKENDS.get(self.backend)
         if any(p.is_meta for p in model.parameters()):
             if backend_spec.materialize:
@@ -258,6 +261,11 @@ class Trainer:
         self._write = write  # Hugging Face weights are written the same way (stage 7)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
+        # on the materialized weights (TE's reset_parameters makes new ones)
+        self.wgrads = WeightGradBuffers(model, fuse_wgrad and self._grads_local)
+        if len(self.wgrads):
+            logger.info(f"weight gradients: {len(self.wgrads)} written in FP32 by TE's GEMMs "
+                        f"(model.fuse_wgrad_accumulation)")
 
     def _optimizer(self, model, cfg) -> None:
         """6. The optimizer (with its own [optimizer.<name>] options, if it declares any) and the LR schedule."""
@@ -417,6 +425,7 @@ class Trainer:
         dist.all_reduce(counts)
         global_tokens = counts[0]
         if calibrate:  # the same loss scale as the step's own passes: the gradients' amaxes are the step's
+            self.wgrads.microbatch(first=True)
             (self.loss_sum(microbatches[0]["input"], microbatches[0]["labels"]) / global_tokens).backward()
             self.optimizer.zero_grad(set_to_none=True)
         # Each micro-batch's summed loss is divided by the GLOBAL count of valid tokens, and the
@@ -425,14 +434,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, mb in enumerate(microbatches):
             reduce_now = self._no_sync is None or i == len(microbatches) - 1  # the last reduces the local sum
+            self.wgrads.microbatch(first=i == 0)
             with contextlib.nullcontext() if reduce_now else self._no_sync(self.train_model):
                 loss = self.loss_sum(mb["input"], mb["labels"]) / global_tokens
                 loss.backward()
             loss_sum += loss.detach()
+        self.wgrads.publish()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.max_norm, self.optimizer)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.wgrads.release()
         rank_loss = loss_sum * global_tokens / local_tokens.clamp(min=1)
         dist.all_reduce(loss_sum)
         dist.all_reduce(rank_loss, op=dist.ReduceOp.MAX)

@@ -83,8 +83,12 @@ class Model:
                                      "tokenizer's BOS); off: sequences attend across document boundaries")
     fused_loss: bool = opt(True, "models that offer it compute the output head and cross-entropy chunk by "
                                  "chunk, never holding the FP32 logits of the whole batch (false: full logits)")
-    fuse_wgrad_accumulation: bool = opt(False, "te backend: accumulate weight gradients into param.main_grad "
-                                               "(not supported: bypasses the data-parallel reduction)")
+    fuse_wgrad_accumulation: bool = opt(True, "te backend, where one process trains without a data-parallel "
+                                              "reduction (parallelism none, or fsdp / hsdp on one rank with "
+                                              "unsharded_one_rank): TE's weight-gradient GEMMs write FP32 "
+                                              "gradients in place, adding up micro-batches, instead of bf16 ones "
+                                              "that autograd casts; FSDP2 and DDP reduce autograd's gradients, "
+                                              "so elsewhere it has no effect")
 
 
 @dataclass

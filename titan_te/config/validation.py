@@ -271,13 +271,6 @@ def _check_values(cfg: Config, where: str) -> None:
     if gbs % per_step:
         raise ConfigError(f"training.global_batch_size = {gbs} is not divisible by local_batch_size x "
                           f"data-parallel degree = {t.local_batch_size} x {dp[0] * dp[1]} = {per_step} {where}")
-    if cfg.model.fuse_wgrad_accumulation:
-        why = ("TE then writes each weight gradient into param.main_grad instead of param.grad, so FSDP2 never "
-               "reduce-scatters it and every rank would step on its own unreduced gradient"
-               if _registry("titan_te.parallel:PARALLELISMS").get(p.data_parallel).reduces_grads_itself else
-               "titan_te's optimizers read param.grad, which TE leaves empty in that mode")
-        raise ConfigError(f"model.fuse_wgrad_accumulation = true is not supported with parallelism.data_parallel = "
-                          f"{p.data_parallel}: {why}; set it to false (gradient accumulation still works) {where}")
     if cfg.checkpoint.load_step == 0 or cfg.checkpoint.load_step < -1:
         raise ConfigError(f"checkpoint.load_step must be a step >= 1, or -1 for the newest checkpoint, got "
                           f"{cfg.checkpoint.load_step} {where}")

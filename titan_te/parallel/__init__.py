@@ -16,6 +16,9 @@ class ParallelSpec:
     replicates: bool = False  # takes data_parallel_replicate_degree > 1 (a 2-D replicate x shard mesh)
     reduces_grads_itself: bool = False  # reduce-scatters param.grad in its own hooks (FSDP2)
     shards_params: bool = False  # each rank keeps 1/shard of every parameter, gathered before use (FSDP2)
+    # param.grad is this process's alone, which nothing reduces: TE may write weight gradients in place
+    # (model.fuse_wgrad_accumulation, titan_te/te/wgrad.py); FSDP2 and DDP reduce what autograd hands them
+    local_grads: bool = False
     # no_sync(model) -> a context whose forward and backward add to the local gradients without reducing them;
     # every micro-batch of a step but the last runs in it. Needed where a reduction would re-reduce what an
     # earlier micro-batch already reduced into param.grad (DDP, which sums here); None: each backward reduces

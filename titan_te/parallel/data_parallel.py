@@ -88,7 +88,7 @@ PARALLELISMS.register("fsdp")(ParallelSpec("fsdp", apply_fsdp, casts_params=True
 PARALLELISMS.register("hsdp")(ParallelSpec("hsdp", apply_hsdp, casts_params=True, reduces_grads_itself=True,
                                            shards_params=True, replicates=True, one_rank="none"))
 PARALLELISMS.register("ddp")(ParallelSpec("ddp", apply_ddp, no_sync=DistributedDataParallel.no_sync))
-PARALLELISMS.register("none")(ParallelSpec("none", apply_none, multi_process=False))
+PARALLELISMS.register("none")(ParallelSpec("none", apply_none, multi_process=False, local_grads=True))
 
 
 def mixed_precision(device_type: str, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
