@@ -252,8 +252,8 @@ def test_fp8_enable_false_alone_turns_an_fp8_presets_refinements_off(tmp_path):
     mixed.write_text("[fp8]\nenable = false\nfused_swiglu = true\n")
     for argv in (["--config", str(mixed)],
                  ["--config", "llama3_1b_fp8", "--fp8.enable=false", "--fp8.fused_swiglu=true"]):
-        with pytest.raises(C.ConfigError, match="fp8.fused_swiglu = true fuses SwiGLU's derivative with its FP8 cast, "
-                                                "which needs fp8.enable = true"):
+        with pytest.raises(C.ConfigError, match="fp8.fused_swiglu = true needs fp8.enable = true; set "
+                                                "--fp8.enable=true, or --fp8.fused_swiglu=false"):
             C.load(argv, hardware=False)
     with pytest.raises(C.ConfigError, match="fp8.head = 'all' needs fp8.enable = true"):
         C.load(["--config", "llama3_1b_fp8", "--fp8.enable=false", "--fp8.head=all"], hardware=False)

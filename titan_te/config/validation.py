@@ -19,8 +19,6 @@ def _check_fp8_head(cfg, where: str) -> None:
     from titan_te.models import MODELS
 
     ask = f"fp8.head = '{cfg.fp8.head}'"
-    if not cfg.fp8.enable:
-        raise ConfigError(f"{ask} needs fp8.enable = true; or set --fp8.head=off {where}")
     if not MODELS.get(cfg.model.name).fp8_head:
         raise ConfigError(f"{ask}: model {cfg.model.name} has no FP8 output head; set --fp8.head=off {where}")
     if not cfg.model.fused_loss:
@@ -226,23 +224,37 @@ def _check_bounds(cfg: Config, where: str) -> None:
                            RUN_FOLDER_ROOM)
 
 
+def _shown(value: Any, cli: bool = False) -> str:
+    """A value as a message shows it: TOML's true / false, a string quoted (bare after a command-line flag)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if cli else repr(value)
+
+
+def _check_refinements(cfg: Config, where: str) -> None:
+    """An option that refines an on/off option (`refines`, e.g. fp8.params of fp8.enable) set away from its
+    default while that option is off would do nothing: refused. (A file's refinements of an option that the
+    command line turned off are back at their defaults by now: loading.build.)"""
+    for section, cls in sections().items():
+        body = getattr(cfg, section)
+        for key, f in _fields(cls).items():
+            switch, value = f.metadata.get("refines"), getattr(body, key)
+            if switch and not getattr(body, switch) and value != _default(cls, key):
+                raise ConfigError(f"{section}.{key} = {_shown(value)} needs {section}.{switch} = true; set "
+                                  f"--{section}.{switch}=true, or --{section}.{key}={_shown(_default(cls, key), True)} "
+                                  f"{where}")
+
+
 def _check_values(cfg: Config, where: str) -> None:
     t = cfg.training
     _check_bounds(cfg, where)
     for step in cfg.profiling.memory_snapshot_steps:
         if step < 1:
             raise ConfigError(f"profiling.memory_snapshot_steps holds step numbers >= 1, got {step!r} {where}")
-    if cfg.fp8.params and not cfg.fp8.enable:
-        raise ConfigError(f"fp8.params = true keeps weights in FP8, which needs fp8.enable = true; set "
-                          f"--fp8.enable=true, or --fp8.params=false to train without FP8 {where}")
-    if cfg.fp8.fused_swiglu and not cfg.fp8.enable:
-        raise ConfigError(f"fp8.fused_swiglu = true fuses SwiGLU's derivative with its FP8 cast, which needs "
-                          f"fp8.enable = true {where}")
+    _check_refinements(cfg, where)
     if cfg.fp8.attention:
         from titan_te.te.recipes import RECIPES
 
-        if not cfg.fp8.enable:
-            raise ConfigError(f"fp8.attention = true needs fp8.enable = true {where}")
         if RECIPES.get(cfg.fp8.recipe).fp8_attention is None:
             able = ", ".join(n for n in RECIPES.names() if RECIPES.get(n).fp8_attention is not None)
             raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
