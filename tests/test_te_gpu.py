@@ -133,8 +133,9 @@ def test_unsharded_one_rank_follows_fsdp_and_tracks_bf16(bf16_1b, tmp_path):
     """parallelism.unsharded_one_rank (no FSDP on one GPU, under torch.autocast) with the presets' FP8
     setting: step for step it follows FSDP over the first 20 steps (measured: 8.5e-4 relative at most on
     an H200, 2026-12-04; 2.5e-3 on an H100, 2026-12-05, after FSDP's last unit dropped its stale FP8
-    transposes (FP8Policy.gathered_until_backward); 7.7e-4 once TE wrote FP32 weight gradients there); autocast keeps the residual stream in FP32, so they
-    part slowly later), and after 200 steps its loss tracks bf16's as FSDP's does."""
+    transposes (FP8Policy.gathered_until_backward); 7.7e-4 once TE wrote FP32 weight gradients there; the
+    same math in another order, they part slowly later), and after 200 steps its loss tracks bf16's as FSDP's
+    does."""
     fp8 = {"fp8.enable": True, "fp8.recipe": "delayed", **PRESET_FP8}
     short = {**fp8, "training.steps": 20}
     fsdp = run_ranks(_train_1b, 1, str(tmp_path / "fsdp"), {**short, "parallelism.unsharded_one_rank": False})[0]
