@@ -573,14 +573,17 @@ def test_weight_gradients_written_in_place_by_te_equal_autograds(tmp_path):
     assert others and all(torch.equal(fused[n], plain[n]) for n in others)
 
 
-def test_in_place_weight_gradients_train_like_autograds_with_accumulation(tmp_path):
-    """The presets' FP8 setting on 1B-wide blocks, one rank, 2 micro-batches a step: the same losses step for step
-    with TE's in-place FP32 weight gradients as with autograd's, up to bf16's rounding of the latter."""
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_in_place_weight_gradients_train_like_autograds_with_accumulation(precision, tmp_path):
+    """1B-wide blocks, one rank, 2 micro-batches a step, with the presets' FP8 setting or TE's bf16 layers over FP32
+    weights: the same losses step for step with TE's in-place FP32 weight gradients as with autograd's, up to bf16's
+    rounding of the latter."""
     short = {"training.steps": 20, "training.local_batch_size": 2, "training.global_batch_size": 4,
-             "parallelism.unsharded_one_rank": True, "fp8.enable": True, **PRESET_FP8}
+             "parallelism.unsharded_one_rank": True,
+             **({"fp8.enable": True, **PRESET_FP8} if precision == "fp8" else {})}
     runs = {on: run_ranks(_train_1b, 1, str(tmp_path / str(on)), {**short, "model.fuse_wgrad_accumulation": on})[0]
             for on in (True, False)}
     worst = max(abs(a - b) / b for a, b in zip(runs[True], runs[False]))
-    print(f"in-place vs autograd weight gradients, 20 steps of 2 micro-batches: worst relative loss difference "
-          f"{worst:.2e}")
+    print(f"{precision}: in-place vs autograd weight gradients, 20 steps of 2 micro-batches: worst relative loss "
+          f"difference {worst:.2e}")
     assert len(runs[True]) == 20 and worst < 5e-3
