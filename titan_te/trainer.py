@@ -38,7 +38,7 @@ from titan_te.metrics import DeviceValues, MetricsLogger, PendingStep, causal_fl
 from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
-from titan_te.parallel import select as parallel_select
+from titan_te.parallel import PARALLELISMS, select as parallel_select
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dims import ParallelDims
 from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0, shared_gpu
@@ -240,7 +240,6 @@ class Trainer:
         self.parallel = parallel.name
         self._no_sync = parallel.no_sync
         train_model = parallel.apply(model, self.env, p, mp, self.model_spec.fsdp_units(model), self.fp8)
-        self._grads_local = parallel.local_grads
         # Without FSDP's parameter cast, GPU compute runs under torch.autocast in the same dtype.
         self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype
@@ -262,7 +261,7 @@ class Trainer:
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
         # on the materialized weights (TE's reset_parameters makes new ones)
-        self.wgrads = WeightGradBuffers(model, fuse_wgrad and self._grads_local)
+        self.wgrads = WeightGradBuffers(model, fuse_wgrad and PARALLELISMS.get(self.parallel).local_grads)
         if len(self.wgrads):
             logger.info(f"weight gradients: {len(self.wgrads)} written in FP32 by TE's GEMMs "
                         f"(model.fuse_wgrad_accumulation)")

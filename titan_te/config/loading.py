@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_te.config.schema import (MISSING_VALUE, Config, _closest, _coerce, _fields, _registry_fields, _type_of,
-                                    bare_flag, sections)
+                                    bare_flag, refinements, sections)
 from titan_te.config.validation import CLI, _default, validate
 from titan_te.errors import ConfigError
 
@@ -154,14 +154,12 @@ def _switched_off(cfg: Config) -> None:
     for the file's own setting: when the command line turns that option off they go back to their defaults, so
     `--fp8.enable=false` alone trains an FP8 preset without FP8. One typed on the command line stays (and is
     checked against the switch)."""
-    for section, cls in sections().items():
+    for section, cls, key, switch in refinements():
         body = getattr(cfg, section)
-        for key, f in _fields(cls).items():
-            switch = f.metadata.get("refines")
-            if (switch and cfg.origins.get(f"{section}.{switch}") == CLI and not getattr(body, switch)
-                    and cfg.origins.get(f"{section}.{key}") not in (None, CLI)):
-                setattr(body, key, _default(cls, key))
-                del cfg.origins[f"{section}.{key}"]
+        if (cfg.origins.get(f"{section}.{switch}") == CLI and not getattr(body, switch)
+                and cfg.origins.get(f"{section}.{key}") not in (None, CLI)):
+            setattr(body, key, _default(cls, key))
+            del cfg.origins[f"{section}.{key}"]
 
 
 def load(argv: list[str], hardware: bool = True) -> tuple[Config, CliArgs]:

@@ -324,6 +324,14 @@ def _fields(section_cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(section_cls)}
 
 
+def refinements():
+    """(section, its class, key, switch) of every option that refines an on/off option of its section (`refines`)."""
+    for section, cls in sections().items():
+        for key, f in _fields(cls).items():
+            if f.metadata.get("refines"):
+                yield section, cls, key, f.metadata["refines"]
+
+
 def _type_of(section_cls: type, name: str) -> type:
     return _type_hints(section_cls)[name]
 

@@ -10,7 +10,7 @@ import traceback
 from typing import Any
 
 from titan_te.config.schema import (MISSING_VALUE, Config, Parallelism, _closest, _coerce, _fields, _registry,
-                                    _registry_fields, _type_of, bare_flag, number, sections)
+                                    _registry_fields, _type_of, bare_flag, number, refinements, sections)
 from titan_te.errors import ConfigError
 from titan_te.paths import RUN_FOLDER_ROOM, check_path
 
@@ -235,14 +235,11 @@ def _check_refinements(cfg: Config, where: str) -> None:
     """An option that refines an on/off option (`refines`, e.g. fp8.params of fp8.enable) set away from its
     default while that option is off would do nothing: refused. (A file's refinements of an option that the
     command line turned off are back at their defaults by now: loading.build.)"""
-    for section, cls in sections().items():
-        body = getattr(cfg, section)
-        for key, f in _fields(cls).items():
-            switch, value = f.metadata.get("refines"), getattr(body, key)
-            if switch and not getattr(body, switch) and value != _default(cls, key):
-                raise ConfigError(f"{section}.{key} = {_shown(value)} needs {section}.{switch} = true; set "
-                                  f"--{section}.{switch}=true, or --{section}.{key}={_shown(_default(cls, key), True)} "
-                                  f"{where}")
+    for section, cls, key, switch in refinements():
+        body, default = getattr(cfg, section), _default(cls, key)
+        if not getattr(body, switch) and getattr(body, key) != default:
+            raise ConfigError(f"{section}.{key} = {_shown(getattr(body, key))} needs {section}.{switch} = true; set "
+                              f"--{section}.{switch}=true, or --{section}.{key}={_shown(default, True)} {where}")
 
 
 def _check_values(cfg: Config, where: str) -> None:
