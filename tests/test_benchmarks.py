@@ -77,6 +77,30 @@ def test_train_bench_runs_a_preset_on_several_ranks_and_prints_the_scaling(tmp_p
     assert runs["1b_fp8@2gpu"]["tokens"] == 2 * runs["1b_fp8"]["tokens"]  # the preset's batch on every GPU
 
 
+def test_every_benchmark_row_is_a_config_the_trainer_accepts():
+    """Each preset row of train_bench and loss_bench, its preset with its overrides, passes the config's validation
+    (all but the checks of this machine's GPU and packages): a refused row would otherwise show first on a GPU, as
+    1b_fp8_full_logits did (model.fused_loss = false under the 1B preset's fp8.head = "all")."""
+    import loss_bench
+    from titan_te import config as config_mod
+
+    rows = [(name, train_bench.PRESETS[size][0], overrides)
+            for name, (kind, size, overrides) in train_bench.RUNS.items() if kind != "peer"]
+    rows += [(name, preset, overrides) for name, overrides in loss_bench.RUNS.items()
+             for size, preset in loss_bench.PRESETS.items() if (size, name) != ("1b", "fp8_attention")]
+    assert len(rows) > 20
+    for name, preset, overrides in rows:
+        cfg, _ = config_mod.load(["--config", preset, *overrides], hardware=False)
+        assert cfg.model.backend == "te", name
+    with pytest.raises(config_mod.ConfigError, match="FP8 attention takes head_dim 128 only"):  # the 1B's is 64
+        config_mod.load(["--config", "llama3_1b_fp8", *loss_bench.RUNS["fp8_attention"]], hardware=False)
+    cfg, _ = config_mod.load(["--config", "llama3_1b_fp8", *train_bench.RUNS["1b_fp8_full_logits"][2]], hardware=False)
+    assert (cfg.model.fused_loss, cfg.fp8.head) == (False, "off")
+    cfg, _ = config_mod.load(["--config", "llama_fp8", *train_bench.RUNS["8b_fp8_b2_every8"][2]], hardware=False)
+    assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_n) == (
+        2, "every_n", 8)
+
+
 def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
     """The loss check's mechanics on the CPU: two runs of the debug job through ./run_train.sh (the `fp8` run is
     the preset unchanged, which on the debug job means no FP8), curves read back from metrics.jsonl; the same
