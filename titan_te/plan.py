@@ -36,7 +36,8 @@ class GPU:
     memory: int  # bytes, as torch reports total_memory
     peak_flops: float  # dense bf16
     # TE keeps a transposed FP8 copy of every FP8 weight it uses in place (Hopper's FP8 GEMMs take one layout
-    # only; it is made when the weight is and kept: _reset_caches marks it stale, it does not free it)
+    # only; it is made when the weight is and kept: _reset_caches marks it stale, it does not free it), and of
+    # some FP8 activations it saves for the backward (activation_bytes_per_token_layer)
     fp8_transpose: bool = False
 
 
@@ -64,19 +65,22 @@ class Plan:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
 
 
-def activation_bytes_per_token_layer(args, fp8: bool) -> float:
+def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool = False) -> float:
     """Bytes one block keeps per token for its backward (no recomputation), from what a TE block saves:
     both norms' inputs (bf16), their outputs (FP8 with FP8 GEMMs, else bf16), q, k, v and the attention
     output (bf16, flash attention: no score matrix), the output projection's input (FP8 copy), the MLP's
-    pre-activation (2 x ffn, bf16) and its activation output (FP8 or bf16). Models whose args give
-    `activation_bytes_per_token` answer for themselves."""
+    pre-activation (2 x ffn, bf16) and its activation output (FP8 or bf16). `fp8_transposes` (GPUs whose FP8
+    GEMMs take one layout): TE 2.20's LayerNormMLP saves its norm output in both FP8 layouts, where
+    LayerNormLinear keeps the column-wise one only. Models whose args give `activation_bytes_per_token`
+    answer for themselves."""
     own = getattr(args, "activation_bytes_per_token", None)
     if own is not None:
         return own(fp8)
     d, f = args.dim, args.ffn_dim
     kv = args.n_kv_heads * args.head_dim
     low = 1 if fp8 else 2
-    return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + low * d + 4 * f + low * f
+    mlp_norm_out = (2 if fp8_transposes else 1) * d if fp8 else 2 * d
+    return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + mlp_norm_out + 4 * f + low * f
 
 
 @dataclass
@@ -140,10 +144,10 @@ def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
     return fp8_block(cfg.fp8, int(name.split(".")[1]), n_layers)
 
 
-def _activations(cfg, m: _Model, vocab: int, tokens: int) -> tuple[dict, float]:
+def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) -> tuple[dict, float]:
     """Bytes of activations kept for the backward per activation-checkpoint mode, and the output head's."""
     args, every_n = m.args, cfg.activation_checkpoint.every_n
-    per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable) * tokens
+    per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
     acts = {"none": args.n_layers * per_layer,
             "every_n": (args.n_layers - args.n_layers // every_n) * per_layer
@@ -183,7 +187,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
     t, acfg = cfg.training, cfg.activation_checkpoint
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
-    acts, head = _activations(cfg, m, vocab, tokens)
+    acts, head = _activations(cfg, m, vocab, tokens, card.fp8_transpose)
     plan = Plan()
     memory, peak_flops = card.memory, card.peak_flops
     block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
