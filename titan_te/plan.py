@@ -65,7 +65,7 @@ class Plan:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
 
 
-def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool = False) -> float:
+def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) -> float:
     """Bytes one block keeps per token for its backward (no recomputation), from what a TE block saves:
     both norms' inputs (bf16), their outputs (FP8 with FP8 GEMMs, else bf16), q, k, v and the attention
     output (bf16, flash attention: no score matrix), the output projection's input (FP8 copy), the MLP's
@@ -79,7 +79,7 @@ def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool = Fal
     d, f = args.dim, args.ffn_dim
     kv = args.n_kv_heads * args.head_dim
     low = 1 if fp8 else 2
-    mlp_norm_out = (2 if fp8_transposes else 1) * d if fp8 else 2 * d
+    mlp_norm_out = low * d * (2 if fp8 and fp8_transposes else 1)
     return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + mlp_norm_out + 4 * f + low * f
 
 
