@@ -113,6 +113,8 @@ CLI = [
     ("--fp8.amax_history_len=0", "fp8.amax_history_len must be within [1,"),
     ("--activation_checkpoint.mode=some", "activation_checkpoint.mode = 'some' is not one of"),
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),
+    ("--activation_checkpoint.mode=mlp", "activation_checkpoint.mode = 'mlp' needs model.backend = 'te' (this run "
+                                         "uses 'torch'); use --activation_checkpoint.mode=every_n or full"),
     ("--data.num_workers=-1", "data.num_workers must be within [0, 256]"),
     ("--training.device=cuda", "pip install --no-build-isolation 'transformer_engine[pytorch]'"),
     ("--model.backend=te", "model.backend = 'te'"),

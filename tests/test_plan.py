@@ -75,16 +75,34 @@ def test_the_checkpoint_estimate_matches_a_real_save_on_the_cpu(tmp_path):
     assert est == pytest.approx(real, rel=0.02), (est, real)
 
 
+def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu_outputs():
+    """activation_checkpoint.mode = mlp at the 8B preset's batch 2 on one H200: the planner's estimate without
+    recomputation does not fit; every 4th block's MLP recomputed frees 7 of 8 recomputing blocks' MLP parts (one
+    holds its part again in its backward) and fits, at less recomputation than every 4th whole block."""
+    from titan_te.models.llama.args import FLAVORS
+    from titan_te.plan import mlp_recomputed_bytes_per_token_layer
+
+    b2 = {"training.local_batch_size": 2, "activation_checkpoint.every_n": 4}
+    none = _plan("llama_fp8", **b2)
+    mlp = _plan("llama_fp8", **b2, **{"activation_checkpoint.mode": "mlp"})
+    blocks = _plan("llama_fp8", **b2, **{"activation_checkpoint.mode": "every_n"})
+    part = mlp_recomputed_bytes_per_token_layer(FLAVORS["8B"], True, True) * 2 * 8192
+    assert part / GiB == pytest.approx(1.219, rel=1e-3)  # (2 x 4096 FP8 + 5 x 14336) bytes a token, 16,384 tokens
+    assert none.peak["none"] - none.peak["mlp"] == pytest.approx(7 * part)
+    assert not none.fits["none"] and none.fits["mlp"] and none.peak["mlp"] / GiB == pytest.approx(132.3, abs=0.05)
+    assert none.step_s["overlap"] < mlp.step_s["overlap"] < blocks.step_s["overlap"]
+
+
 def test_llama_70b_on_one_8_gpu_h200_node_fits_with_bf16_weights_and_full_activation_checkpointing():
     """The README's example: Llama 3 70B, bf16 moments, one node of 8 H200s. With FP8 weights a block that
     activation checkpointing recomputes keeps its gathered FP8 weights from its forward to its backward
     (FP8Policy.keeps_gathered): 64 GiB a rank at 70B, and no mode fits. With bf16 weights (FP8 compute) and
     every block recomputed, it fits."""
     fp8 = _plan("llama_fp8", ngpu=8, **{"model.flavor": "70B"})
-    assert fp8.fits == {"none": False, "every_n": False, "full": False}
+    assert fp8.fits == {"none": False, "mlp": False, "every_n": False, "full": False}
     assert fp8.kept_gathered["full"] / GiB == pytest.approx(63.8, rel=0.01) and fp8.kept_gathered["none"] == 0
     plan = _plan("llama_fp8", ngpu=8, **{"model.flavor": "70B", "fp8.params": "false"})
-    assert plan.fits == {"none": False, "every_n": False, "full": True}
+    assert plan.fits == {"none": False, "mlp": False, "every_n": False, "full": True}
     assert plan.gather_bytes > 0 and plan.scatter_bytes > plan.gather_bytes  # FP32 gradients, bf16 weights
     assert 500 < plan.tokens_per_s["overlap"] < 5000
 

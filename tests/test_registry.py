@@ -41,8 +41,9 @@ def test_every_registry_entry_answers_for_its_name_and_capabilities():
         "ddp": (True, False, False, False), "fsdp": (True, False, True, True), "hsdp": (True, True, True, True),
         "none": (False, False, False, False)}
     te, torch_ = BACKENDS.get("te"), BACKENDS.get("torch")
-    assert (te.needs_cuda, te.fp8, te.compiles_blocks) == (True, True, False) and "transformer_engine" in te.install
-    assert (torch_.needs_cuda, torch_.fp8, torch_.available()) == (False, False, "")
+    assert (te.needs_cuda, te.fp8, te.compiles_blocks, te.recomputes_mlp) == (True, True, False, True)
+    assert "transformer_engine" in te.install
+    assert (torch_.needs_cuda, torch_.fp8, torch_.available(), torch_.recomputes_mlp) == (False, False, "", False)
     assert [RECIPES.get(n).min_compute_capability for n in ("delayed", "block", "mxfp8")] == [(8, 9), (9, 0), (10, 0)]
     low = type("O", (), {"moment_dtype": "bfloat16", "master_weights": True})()
     assert OPTIMIZERS.get("fused_adam").state_bytes(low, True) == 8 and OPTIMIZERS.get("adamw").state_bytes(low, True) == 8

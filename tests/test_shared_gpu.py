@@ -251,7 +251,7 @@ def test_an_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batches(save
 # --- activation checkpointing of blocks with FP8 weights under FSDP --------------------------------------
 def _recomputed(rank, world, tmp, mode, reshard=True):
     tr = _trainer(tmp, world, training={"steps": 6, "local_batch_size": 1},
-                  activation_checkpoint={"mode": mode}, parallelism={"reshard_after_forward": reshard})
+                  activation_checkpoint={"mode": mode, "every_n": 1}, parallelism={"reshard_after_forward": reshard})
     kept = sum(tr.fp8.keeps_gathered(b) for b in tr.model.layers.values())
     losses = tr.train()
     tr.close()
@@ -264,15 +264,17 @@ def test_recomputed_fp8_blocks_keep_their_gathered_weights_and_the_losses(tmp_pa
     their memory), and the recomputed run gives the losses of the plain one. So does ZeRO-2
     (parallelism.reshard_after_forward = false), where every block stays gathered: a gathered FP8 weight kept
     from forward to backward once carried the transpose of the step before into the backward (losses 8-19%
-    off from step 3 on)."""
+    off from step 3 on). Recomputing only the MLP's first half (mode mlp, every block) needs FC1's weight
+    row-wise again too."""
     plain, none_kept = run_ranks(_recomputed, 2, str(tmp_path / "plain"), "none")[0]
     full, all_kept = run_ranks(_recomputed, 2, str(tmp_path / "full"), "full")[0]
+    mlp, mlp_kept = run_ranks(_recomputed, 2, str(tmp_path / "mlp"), "mlp")[0]
     zero2, _ = run_ranks(_recomputed, 2, str(tmp_path / "zero2"), "none", False)[0]
-    for name, losses in (("activation checkpointing", full), ("ZeRO-2", zero2)):
+    for name, losses in (("activation checkpointing", full), ("MLP recomputation", mlp), ("ZeRO-2", zero2)):
         gaps = [abs(a - b) / a for a, b in zip(plain, losses)]
         print(f"{name} of FP8 blocks on 2 ranks: relative loss gaps " + " ".join(f"{g:.1e}" for g in gaps))
         assert max(gaps) < 1e-3, name
-    assert (none_kept, all_kept) == (0, 2)
+    assert (none_kept, all_kept, mlp_kept) == (0, 2, 2)
 
 
 # --- the planner's memory estimate against the peak of shared ranks ----------------------------------------

@@ -57,6 +57,10 @@ def check_hardware(cfg, where: str) -> None:
                           f"(runs on CPU and GPU) {where}")
     if spec.needs_cuda and device != "cuda":
         raise ConfigError(f"model.backend = '{backend}' needs training.device = cuda; use {portable} {where}")
+    if cfg.activation_checkpoint.mode == "mlp" and not spec.recomputes_mlp:
+        able = " or ".join(repr(n) for n in BACKENDS.names() if BACKENDS.get(n).recomputes_mlp)
+        raise ConfigError(f"activation_checkpoint.mode = 'mlp' needs model.backend = {able} (this run uses "
+                          f"'{backend}'); use --activation_checkpoint.mode=every_n or full {where}")
     _check_optimizer(cfg.optimizer.name, device, where)
     if not cfg.fp8.enable:
         return

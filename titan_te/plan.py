@@ -49,7 +49,7 @@ NVLINK_GBS, IB_GBS = 450.0, 50.0  # per GPU, one direction: NVLink 4 (H100/H200)
 WORKSPACE = 2 * GiB  # CUDA context, cuBLAS / cuDNN / TE workspaces: a fixed allowance
 ASSUMED_MFU = 0.75  # without a measured breakdown (the FP8 presets measured 79-84% on one H200)
 CHUNK_LOGITS_BYTES = GiB  # the fused head's bf16 logits of one chunk (loss.CHUNK_LOGITS x 2 bytes, Triton path)
-AC_MODES = ("none", "every_n", "full")
+AC_MODES = ("none", "mlp", "every_n", "full")  # by what they recompute, least first
 
 
 @dataclass
@@ -76,11 +76,28 @@ def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) -> f
     own = getattr(args, "activation_bytes_per_token", None)
     if own is not None:
         return own(fp8)
-    d, f = args.dim, args.ffn_dim
-    kv = args.n_kv_heads * args.head_dim
-    low = 1 if fp8 else 2
-    mlp_norm_out = low * d * (2 if fp8 and fp8_transposes else 1)
-    return 2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d + mlp_norm_out + 4 * f + low * f
+    d, kv, low = args.dim, args.n_kv_heads * args.head_dim, 1 if fp8 else 2
+    return (2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d
+            + mlp_recomputed_bytes_per_token_layer(args, fp8, fp8_transposes))
+
+
+def mlp_recomputed_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) -> float:
+    """Of activation_bytes_per_token_layer, what a block that recomputes its MLP's norm, FC1 and activation in the
+    backward (activation_checkpoint.mode = mlp, TE's LayerNormMLP checkpoint) does not keep: the norm's output
+    (both FP8 layouts where the GPU keeps both), FC1's output (2 x ffn, bf16) and the activation's output. 0 for
+    models that answer for themselves."""
+    if getattr(args, "activation_bytes_per_token", None) is not None:
+        return 0.0
+    d, f, low = args.dim, args.ffn_dim, 1 if fp8 else 2
+    return low * d * (2 if fp8 and fp8_transposes else 1) + 4 * f + low * f
+
+
+def _mlp_forward_share(args) -> float:
+    """FC1's share of a block's linear-layer FLOPs (attention's left out): what mode mlp runs again of a forward."""
+    if getattr(args, "activation_bytes_per_token", None) is not None:
+        return 0.0
+    d, f, kv = args.dim, args.ffn_dim, args.n_kv_heads * args.head_dim
+    return 4 * d * f / (2 * d * (d + 2 * kv) + 2 * d * d + 6 * d * f)
 
 
 @dataclass
@@ -149,9 +166,12 @@ def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) 
     args, every_n = m.args, cfg.activation_checkpoint.every_n
     per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
+    mlp_part = mlp_recomputed_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
+    n_recomputed = args.n_layers // every_n
     acts = {"none": args.n_layers * per_layer,
-            "every_n": (args.n_layers - args.n_layers // every_n) * per_layer
-            + (args.n_layers // every_n) * layer_input + per_layer,
+            # the recomputing blocks keep all but their MLP's part, which one block holds again in its backward
+            "mlp": args.n_layers * per_layer - n_recomputed * mlp_part + (mlp_part if n_recomputed else 0),
+            "every_n": (args.n_layers - n_recomputed) * per_layer + n_recomputed * layer_input + per_layer,
             "full": args.n_layers * layer_input + per_layer}
     rows = getattr(args, "vocab_size", vocab)
     if cfg.model.fused_loss and m.spec.computes_loss:  # one chunk of bf16 logits, the hidden states' and the
@@ -223,7 +243,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
     step_tokens = tokens * grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
-    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / acfg.every_n}[acfg.mode]
+    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / acfg.every_n,
+                  "mlp": _mlp_forward_share(m.args) / acfg.every_n}[acfg.mode]
     compute_s = _compute_s(breakdown, step_tokens, m.args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
     exposed = max(m.unit_bytes) / (shard_link * 1e9) if gathers else 0.0
     plan.step_s = {"no overlap": compute_s + comm_s, "overlap": max(compute_s, comm_s) + exposed}

@@ -273,9 +273,10 @@ class FP8:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "none, full (every block) or every_n (every N-th block)",
-                    choices=("none", "full", "every_n"))
-    every_n: int = opt(2, "with mode=every_n: checkpoint one block out of N", bounds=Bounds(1))
+    mode: str = opt("none", "none, full (every block), every_n (every N-th block) or mlp (every N-th block "
+                            "recomputes only its MLP's norm, first GEMM and activation: te backend)",
+                    choices=("none", "full", "every_n", "mlp"))
+    every_n: int = opt(2, "with mode=every_n or mlp: one block out of N (mlp with 1: every block)", bounds=Bounds(1))
 
 
 @dataclass

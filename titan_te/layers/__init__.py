@@ -26,6 +26,8 @@ class BackendSpec:
     fp8: bool = False  # runs linear layers in FP8 (fp8.enable)
     install: str = ""  # how to install what `available()` misses
     compiles_blocks: bool = True  # torch.compile can trace its blocks (else compile.enable does nothing)
+    # its blocks can recompute their MLP's first half in the backward (activation_checkpoint.mode = mlp)
+    recomputes_mlp: bool = False
 
 
 BACKENDS: Registry[BackendSpec] = Registry("layer backend")

@@ -9,8 +9,8 @@ logger = logging.getLogger("titan_te")
 
 
 def recomputed(layer_id: int, mode: str, every_n: int) -> bool:
-    """Whether activation checkpointing in `mode` recomputes block `layer_id`: every block (full), every
-    N-th (every_n), none."""
+    """Whether activation checkpointing in `mode` recomputes (some of) block `layer_id`: every block (full),
+    every N-th (every_n; mlp: its MLP's first half), none."""
     return mode != "none" and layer_id % (1 if mode == "full" else every_n) == 0
 
 
@@ -19,7 +19,9 @@ def apply_activation_checkpoint(model, acfg) -> None:
     for key, block in list(model.layers.items()):
         if not recomputed(int(key), acfg.mode, acfg.every_n):
             continue
-        if hasattr(block, "enable_activation_checkpoint"):  # the block brings its own (TE's checkpoint)
+        if acfg.mode == "mlp":  # blocks of backends with recomputes_mlp only (hardware.py refuses the others)
+            block.enable_activation_checkpoint(mlp_only=True)
+        elif hasattr(block, "enable_activation_checkpoint"):  # the block brings its own (TE's checkpoint)
             block.enable_activation_checkpoint()
         else:
             model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)

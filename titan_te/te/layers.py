@@ -39,8 +39,18 @@ def _block_class():
         fp8_disabled = False  # a block kept in bf16 by fp8.bf16_layers
         checkpointed = False  # activation checkpointing through TE's own checkpoint
 
-        def enable_activation_checkpoint(self) -> None:
-            self.checkpointed = True
+        def enable_activation_checkpoint(self, mlp_only: bool = False) -> None:
+            """Recompute the block's forward in its backward (TE's checkpoint), or with `mlp_only` only the MLP's
+            norm, FC1 and activation (TE's LayerNormMLP checkpoint: it saves its input, not FC1's output)."""
+            if mlp_only:
+                self.layernorm_mlp.checkpoint = True
+            else:
+                self.checkpointed = True
+
+        @property
+        def recomputes_forward(self) -> bool:
+            """Whether some of the forward runs again in the backward (either kind of checkpointing)."""
+            return self.checkpointed or self.layernorm_mlp.checkpoint
 
         def forward(self, x: torch.Tensor, angles: torch.Tensor | None = None,  # type: ignore[override]
                     mask: dict | None = None) -> torch.Tensor:
@@ -100,5 +110,5 @@ def te_document_mask(doc_start: torch.Tensor) -> dict:
 
 # what the `te` layer backend brings to every family (titan_te/layers registers it)
 BACKEND = dict(available=te_unavailable_reason, materialize=te_materialize, write=tensors.write,
-               document_mask=te_document_mask, needs_cuda=True, fp8=True, compiles_blocks=False,
+               document_mask=te_document_mask, needs_cuda=True, fp8=True, compiles_blocks=False, recomputes_mlp=True,
                install="pip install --no-build-isolation 'transformer_engine[pytorch]'")

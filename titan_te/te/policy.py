@@ -110,8 +110,9 @@ class FP8Policy:
     def keeps_gathered(self, block) -> bool:
         """FSDP2 gathers FP8 weights for the forward in row-wise form only and for the backward in column-wise
         form only when a block reshards after forward; recomputing the forward inside the backward
-        (activation checkpointing) then finds no row-wise data. Such blocks keep their gathered weights."""
-        return id(block) in self._fp8_weight_blocks and bool(getattr(block, "checkpointed", False))
+        (activation checkpointing, of the block or of its MLP) then finds no row-wise data. Such blocks keep their
+        gathered weights."""
+        return id(block) in self._fp8_weight_blocks and bool(getattr(block, "recomputes_forward", False))
 
     def gathered_until_backward(self, unit) -> None:
         """FSDP2 keeps `unit`'s gathered weights from its forward to its backward (no reshard after forward).
