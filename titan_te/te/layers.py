@@ -4,7 +4,8 @@ materialized and written, and TE's packed-document (THD) attention arguments.
 A family gives `transformer_layer` the layer's shape and kind (sizes, normalization, activation, bias ...:
 TE's own keyword arguments); the block class here adds what every family needs from the trainer: blocks
 kept in bf16 (fp8.bf16_layers), activation checkpointing through TE's own checkpoint (of the block, or of
-its MLP alone), the THD layout for packed documents. Subclassing (not wrapping) keeps TE's parameter names at the top of the block.
+its MLP alone), the THD layout for packed documents. Subclassing (not wrapping) keeps TE's parameter names at
+the top of the block.
 """
 from __future__ import annotations
 
