@@ -75,6 +75,22 @@ def test_the_checkpoint_estimate_matches_a_real_save_on_the_cpu(tmp_path):
     assert est == pytest.approx(real, rel=0.02), (est, real)
 
 
+def test_every_nth_block_counts_the_blocks_the_wrapper_recomputes():
+    """every_n = 3 over the 1B preset's 16 blocks recomputes blocks 0, 3, 6, 9, 12 and 15 (parallel/wrappers.py):
+    six blocks keep only their input, one holds its activations again in its backward; the planner once counted
+    16 // 3 = 5."""
+    from titan_te.models.llama.args import FLAVORS
+    from titan_te.parallel.wrappers import recomputed
+    from titan_te.plan import activation_bytes_per_token_layer
+
+    assert [i for i in range(16) if recomputed(i, "every_n", 3)] == [0, 3, 6, 9, 12, 15]
+    plan = _plan("llama3_1b_fp8", **{"activation_checkpoint.every_n": 3})
+    tokens = 4 * 8192
+    per_layer = activation_bytes_per_token_layer(FLAVORS["1B"], True, True) * tokens
+    layer_input = 2 * 2048 * tokens
+    assert plan.peak["none"] - plan.peak["every_n"] == pytest.approx(6 * (per_layer - layer_input) - per_layer)
+
+
 def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu_outputs():
     """activation_checkpoint.mode = mlp at the 8B preset's batch 2 on one H200: the planner's estimate without
     recomputation does not fit; every 4th block's MLP recomputed frees 7 of 8 recomputing blocks' MLP parts (one

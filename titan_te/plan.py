@@ -161,13 +161,20 @@ def _is_fp8(name: str, p, cfg, n_layers: int) -> bool:
     return fp8_block(cfg.fp8, int(name.split(".")[1]), n_layers)
 
 
+def _n_recomputed(n_layers: int, every_n: int) -> int:
+    """How many blocks every_n / mlp recompute: block 0 and every N-th after it (parallel/wrappers.py's choice)."""
+    from titan_te.parallel.wrappers import recomputed
+
+    return sum(recomputed(i, "every_n", every_n) for i in range(n_layers))
+
+
 def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) -> tuple[dict, float]:
     """Bytes of activations kept for the backward per activation-checkpoint mode, and the output head's."""
     args, every_n = m.args, cfg.activation_checkpoint.every_n
     per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
     mlp_part = mlp_recomputed_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
-    n_recomputed = args.n_layers // every_n
+    n_recomputed = _n_recomputed(args.n_layers, every_n)
     acts = {"none": args.n_layers * per_layer,
             # the recomputing blocks keep all but their MLP's part, which one block holds again in its backward
             "mlp": args.n_layers * per_layer - n_recomputed * mlp_part + (mlp_part if n_recomputed else 0),
@@ -243,8 +250,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
     step_tokens = tokens * grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
-    recomputed = {"none": 0.0, "full": 1.0, "every_n": 1.0 / acfg.every_n,
-                  "mlp": _mlp_forward_share(m.args) / acfg.every_n}[acfg.mode]
+    every = _n_recomputed(m.args.n_layers, acfg.every_n) / m.args.n_layers
+    recomputed = {"none": 0.0, "full": 1.0, "every_n": every, "mlp": _mlp_forward_share(m.args) * every}[acfg.mode]
     compute_s = _compute_s(breakdown, step_tokens, m.args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
     exposed = max(m.unit_bytes) / (shard_link * 1e9) if gathers else 0.0
     plan.step_s = {"no overlap": compute_s + comm_s, "overlap": max(compute_s, comm_s) + exposed}
