@@ -65,6 +65,12 @@ class Plan:
     tokens_per_s: dict[str, float] = field(default_factory=dict)
 
 
+def _answers_for_itself(args) -> bool:
+    """A model whose args give `activation_bytes_per_token(fp8)`: the planner takes its figure and assumes no
+    TE block layout (no MLP to recompute apart)."""
+    return getattr(args, "activation_bytes_per_token", None) is not None
+
+
 def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) -> float:
     """Bytes one block keeps per token for its backward (no recomputation), from what a TE block saves:
     both norms' inputs (bf16), their outputs (FP8 with FP8 GEMMs, else bf16), q, k, v and the attention
@@ -73,9 +79,8 @@ def activation_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) -> f
     GEMMs take one layout): TE 2.20's LayerNormMLP saves its norm output in both FP8 layouts, where
     LayerNormLinear keeps the column-wise one only. Models whose args give `activation_bytes_per_token`
     answer for themselves."""
-    own = getattr(args, "activation_bytes_per_token", None)
-    if own is not None:
-        return own(fp8)
+    if _answers_for_itself(args):
+        return args.activation_bytes_per_token(fp8)
     d, kv, low = args.dim, args.n_kv_heads * args.head_dim, 1 if fp8 else 2
     return (2 * d + low * d + 2 * (d + 2 * kv) + 2 * d + (1 if fp8 else 0) * d + 2 * d
             + mlp_recomputed_bytes_per_token_layer(args, fp8, fp8_transposes))
@@ -86,7 +91,7 @@ def mlp_recomputed_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) 
     backward (activation_checkpoint.mode = mlp, TE's LayerNormMLP checkpoint) does not keep: the norm's output
     (both FP8 layouts where the GPU keeps both), FC1's output (2 x ffn, bf16) and the activation's output. 0 for
     models that answer for themselves."""
-    if getattr(args, "activation_bytes_per_token", None) is not None:
+    if _answers_for_itself(args):
         return 0.0
     d, f, low = args.dim, args.ffn_dim, 1 if fp8 else 2
     return low * d * (2 if fp8 and fp8_transposes else 1) + 4 * f + low * f
@@ -94,7 +99,7 @@ def mlp_recomputed_bytes_per_token_layer(args, fp8: bool, fp8_transposes: bool) 
 
 def _mlp_forward_share(args) -> float:
     """FC1's share of a block's linear-layer FLOPs (attention's left out): what mode mlp runs again of a forward."""
-    if getattr(args, "activation_bytes_per_token", None) is not None:
+    if _answers_for_itself(args):
         return 0.0
     d, f, kv = args.dim, args.ffn_dim, args.n_kv_heads * args.head_dim
     return 4 * d * f / (2 * d * (d + 2 * kv) + 2 * d * d + 6 * d * f)
