@@ -93,8 +93,9 @@ def test_every_nth_block_counts_the_blocks_the_wrapper_recomputes():
 
 def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu_outputs():
     """activation_checkpoint.mode = mlp at the 8B preset's batch 2 on one H200: the planner's estimate without
-    recomputation does not fit; every 4th block's MLP recomputed frees 7 of 8 recomputing blocks' MLP parts (one
-    holds its part again in its backward) and fits, at less recomputation than every 4th whole block."""
+    recomputation does not fit; every 4th block's MLP recomputed frees the 8 recomputing blocks' MLP parts (the peak
+    is at the head, before one of them holds its part again; measured 131.5 GiB on an H200, 2026-12-07) and fits, at
+    less recomputation than every 4th whole block."""
     from titan_te.models.llama.args import FLAVORS
     from titan_te.plan import mlp_recomputed_bytes_per_token_layer
 
@@ -104,8 +105,8 @@ def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu
     blocks = _plan("llama_fp8", **b2, **{"activation_checkpoint.mode": "every_n"})
     part = mlp_recomputed_bytes_per_token_layer(FLAVORS["8B"], True, True) * 2 * 8192
     assert part / GiB == pytest.approx(1.219, rel=1e-3)  # (2 x 4096 FP8 + 5 x 14336) bytes a token, 16,384 tokens
-    assert none.peak["none"] - none.peak["mlp"] == pytest.approx(7 * part)
-    assert not none.fits["none"] and none.fits["mlp"] and none.peak["mlp"] / GiB == pytest.approx(132.3, abs=0.05)
+    assert none.peak["none"] - none.peak["mlp"] == pytest.approx(8 * part)
+    assert not none.fits["none"] and none.fits["mlp"] and none.peak["mlp"] / GiB == pytest.approx(131.1, abs=0.05)
     assert none.step_s["overlap"] < mlp.step_s["overlap"] < blocks.step_s["overlap"]
 
 

@@ -181,8 +181,9 @@ def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) 
     mlp_part = mlp_recomputed_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     n_recomputed = _n_recomputed(args.n_layers, every_n)
     acts = {"none": args.n_layers * per_layer,
-            # the recomputing blocks keep all but their MLP's part, which one block holds again in its backward
-            "mlp": args.n_layers * per_layer - n_recomputed * mlp_part + (mlp_part if n_recomputed else 0),
+            # the recomputing blocks keep all but their MLP's part; the peak is at the head, before any block
+            # holds its part again (measured: the 1B-wide 4-block run frees all 4 blocks' parts, test_te_gpu)
+            "mlp": args.n_layers * per_layer - n_recomputed * mlp_part,
             "every_n": (args.n_layers - n_recomputed) * per_layer + n_recomputed * layer_input + per_layer,
             "full": args.n_layers * layer_input + per_layer}
     rows = getattr(args, "vocab_size", vocab)
