@@ -69,7 +69,7 @@ RUNS = {
     "8b_fp8_current": ("preset", "8b", ["--fp8.recipe=current"]),
     # batch 2 at 8B: larger GEMMs and half the optimizer steps per token; without recomputation the planner puts
     # its peak at 140.9 GiB, over the H200's 140.4, so also with every 4th or 8th block recomputed to make room, or
-    # only their MLPs' norm, FC1 and SwiGLU (mode mlp: 131.1 and 136.0 GiB)
+    # only their MLPs' norm, FC1 and SwiGLU (mode mlp: 131.3 and 136.2 GiB)
     "8b_fp8_b2": ("preset", "8b", ["--training.local_batch_size=2"]),
     "8b_fp8_b2_every4": ("preset", "8b", _batch2_recomputing_every(4)),
     "8b_fp8_b2_every8": ("preset", "8b", _batch2_recomputing_every(8)),

@@ -88,14 +88,15 @@ def test_every_nth_block_counts_the_blocks_the_wrapper_recomputes():
     tokens = 4 * 8192
     per_layer = activation_bytes_per_token_layer(FLAVORS["1B"], True, True) * tokens
     layer_input = 2 * 2048 * tokens
-    assert plan.peak["none"] - plan.peak["every_n"] == pytest.approx(6 * (per_layer - layer_input) - per_layer)
+    # one recomputing block holds its activations again in its backward, when the head's 1 GiB of logits is gone
+    assert plan.peak["none"] - plan.peak["every_n"] == pytest.approx(6 * (per_layer - layer_input) - (per_layer - GiB))
 
 
 def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu_outputs():
     """activation_checkpoint.mode = mlp at the 8B preset's batch 2 on one H200: the planner's estimate without
-    recomputation does not fit; every 4th block's MLP recomputed frees the 8 recomputing blocks' MLP parts (the peak
-    is at the head, before one of them holds its part again; measured 131.5 GiB on an H200, 2026-12-07) and fits, at
-    less recomputation than every 4th whole block."""
+    recomputation does not fit; every 4th block's MLP recomputed frees the 8 recomputing blocks' MLP parts, of which
+    one block holds its part again in its backward, once the head's 1 GiB of logits is gone (measured 131.5 GiB on
+    an H200, 2026-12-07), and fits, at less recomputation than every 4th whole block."""
     from titan_te.models.llama.args import FLAVORS
     from titan_te.plan import mlp_recomputed_bytes_per_token_layer
 
@@ -105,20 +106,21 @@ def test_recomputing_the_mlps_of_every_nth_block_frees_their_norm_fc1_and_swiglu
     blocks = _plan("llama_fp8", **b2, **{"activation_checkpoint.mode": "every_n"})
     part = mlp_recomputed_bytes_per_token_layer(FLAVORS["8B"], True, True) * 2 * 8192
     assert part / GiB == pytest.approx(1.219, rel=1e-3)  # (2 x 4096 FP8 + 5 x 14336) bytes a token, 16,384 tokens
-    assert none.peak["none"] - none.peak["mlp"] == pytest.approx(8 * part)
-    assert not none.fits["none"] and none.fits["mlp"] and none.peak["mlp"] / GiB == pytest.approx(131.1, abs=0.05)
+    assert none.peak["none"] - none.peak["mlp"] == pytest.approx(8 * part - (part - GiB))
+    assert not none.fits["none"] and none.fits["mlp"] and none.peak["mlp"] / GiB == pytest.approx(131.3, abs=0.05)
     assert none.step_s["overlap"] < mlp.step_s["overlap"] < blocks.step_s["overlap"]
 
 
 def test_a_peak_within_the_allocators_slack_of_the_card_is_tight_not_fits():
-    """8B batch 2 with every 8th block recomputed: planned 135.7 GiB of the H200's 140.4, it allocated 134.1 GiB in
+    """8B batch 2 with every 8th block recomputed: planned 134.7 GiB of the H200's 140.4, it allocated 134.1 GiB in
     step 2 and ran out of memory in step 3 with 138.0 GiB held (H200, 2026-12-07): the allocator's free memory was
-    in pieces. The planner calls such a plan tight, not fits, and names a mode with room as the lightest that fits."""
+    in pieces. Every 4th block's MLP recomputed, planned 131.3, ran at 131.5. The planner calls a plan within 5% of
+    the card tight, not fits, and names a mode with room as the lightest that fits."""
     plan = _plan("llama_fp8", **{"training.local_batch_size": 2, "activation_checkpoint.every_n": 8})
-    assert plan.peak["every_n"] / GiB == pytest.approx(135.7, abs=0.05) and plan.peak["every_n"] < 140.4 * GiB
+    assert plan.peak["every_n"] / GiB == pytest.approx(134.7, abs=0.05) and plan.peak["every_n"] < 140.4 * GiB
     assert not plan.fits["every_n"] and not plan.fits["mlp"] and plan.fits["full"]
     rows = dict(plan.rows)
-    assert rows["peak / rank, AC every_n"].startswith("135.7 GiB of 140.4 GiB on a H200: tight (within 4% of the card")
+    assert rows["peak / rank, AC every_n"].startswith("134.7 GiB of 140.4 GiB on a H200: tight (within 5% of the card")
     assert rows["peak / rank, AC none"].endswith("does NOT fit") and rows["peak / rank, AC full"].endswith(": fits")
     assert rows["activation checkpointing"].endswith("the lightest that fits: full")
 

@@ -49,7 +49,7 @@ NVLINK_GBS, IB_GBS = 450.0, 50.0  # per GPU, one direction: NVLink 4 (H100/H200)
 WORKSPACE = 2 * GiB  # CUDA context, cuBLAS / cuDNN / TE workspaces: a fixed allowance
 # the caching allocator's free memory lies in pieces: a peak this close under the card's memory can still fail to
 # find one large buffer, so such a plan is "tight", not "fits" (the README has the run that showed it)
-ALLOCATOR_SLACK = 0.04
+ALLOCATOR_SLACK = 0.05
 ASSUMED_MFU = 0.75  # without a measured breakdown (the FP8 presets measured 79-84% on one H200)
 CHUNK_LOGITS_BYTES = GiB  # the fused head's bf16 logits of one chunk (loss.CHUNK_LOGITS x 2 bytes, Triton path)
 AC_MODES = ("none", "mlp", "every_n", "full")  # by what they recompute, least first
@@ -182,19 +182,22 @@ def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) 
     per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
     mlp_part = mlp_recomputed_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
-    n_recomputed = _n_recomputed(args.n_layers, every_n)
-    acts = {"none": args.n_layers * per_layer,
-            # the recomputing blocks keep all but their MLP's part; the peak is at the head, before any block
-            # holds its part again (measured: the 1B-wide 4-block run frees all 4 blocks' parts, test_te_gpu)
-            "mlp": args.n_layers * per_layer - n_recomputed * mlp_part,
-            "every_n": (args.n_layers - n_recomputed) * per_layer + n_recomputed * layer_input + per_layer,
-            "full": args.n_layers * layer_input + per_layer}
+    n, n_recomputed = args.n_layers, _n_recomputed(args.n_layers, every_n)
     rows = getattr(args, "vocab_size", vocab)
     if cfg.model.fused_loss and m.spec.computes_loss:  # one chunk of bf16 logits, the hidden states' and the
-        head = min(CHUNK_LOGITS_BYTES, tokens * rows * 2) + tokens * args.dim * 2 + rows * args.dim * 4
-    else:  # weight's FP32 gradient, kept from the forward (loss.py); else FP32 logits, their gradient, bf16 twin
-        head = tokens * rows * (4 + 4 + 2)
-    return acts, head
+        logits = min(CHUNK_LOGITS_BYTES, tokens * rows * 2)  # weight's FP32 gradient, kept from the forward
+        head = logits + tokens * args.dim * 2 + rows * args.dim * 4
+    else:  # FP32 logits, their gradient, their bf16 twin
+        logits = tokens * rows * (4 + 4)
+        head = logits + tokens * rows * 2
+    # what the blocks keep to the head (the recomputing ones their input, or all but their MLP's part), and what a
+    # recomputing block holds again in its backward, when the head's logits are gone: the peak is at the head
+    # unless that part is the larger
+    kept = {"none": n * per_layer, "mlp": n * per_layer - n_recomputed * mlp_part,
+            "every_n": (n - n_recomputed) * per_layer + n_recomputed * layer_input, "full": n * layer_input}
+    held = {"none": 0, "mlp": mlp_part if n_recomputed else 0, "every_n": per_layer if n_recomputed else 0,
+            "full": per_layer}
+    return {mode: kept[mode] + max(0.0, held[mode] - logits) for mode in AC_MODES}, head
 
 
 def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
