@@ -177,7 +177,8 @@ def _n_recomputed(n_layers: int, every_n: int) -> int:
 
 
 def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) -> tuple[dict, float]:
-    """Bytes of activations kept for the backward per activation-checkpoint mode, and the output head's."""
+    """Bytes of activations at the step's peak per activation-checkpoint mode (what the blocks keep to the head,
+    plus what a recomputing block holds again beyond the head's logits), and the output head's bytes."""
     args, every_n = m.args, cfg.activation_checkpoint.every_n
     per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
