@@ -75,6 +75,7 @@ RUNS = {
     "8b_fp8_b2_every8": ("preset", "8b", _batch2_recomputing_every(8)),
     "8b_fp8_b2_mlp4": ("preset", "8b", _batch2_recomputing_every(4, "mlp")),
     "8b_fp8_b2_mlp8": ("preset", "8b", _batch2_recomputing_every(8, "mlp")),
+    "8b_fp8_b2_mlp4_head_all": ("preset", "8b", _batch2_recomputing_every(4, "mlp") + ["--fp8.head=all"]),
     # the presets fuse SwiGLU's derivative with its FP8 cast and transpose (fp8.fused_swiglu); these run TE's two
     # kernels instead
     "1b_fp8_tes_swiglu": ("preset", "1b", ["--fp8.fused_swiglu=false"]),
