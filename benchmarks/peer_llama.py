@@ -111,12 +111,16 @@ def build_peer(args, float8: bool, bf16_state: bool, device: torch.device):
     return model, opt
 
 
-def peer_step(model, opt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One step as torchtitan takes it; returns the loss as a device tensor."""
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    loss.backward()
+def peer_step(model, opt, tokens: torch.Tensor, labels: torch.Tensor, accum: int = 1) -> torch.Tensor:
+    """One step as torchtitan takes it, over `accum` micro-batches of `tokens` (gradient accumulation: each
+    micro-batch's loss divided by `accum`); returns the mean loss as a device tensor."""
+    total = torch.zeros((), device=tokens.device)
+    for _ in range(accum):
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / accum
+        loss.backward()
+        total += loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    return total

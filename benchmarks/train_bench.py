@@ -85,6 +85,11 @@ RUNS = {
     "1b_fp8_autograd_wgrad": ("preset", "1b", ["--model.fuse_wgrad_accumulation=false"]),
     "8b_fp8_autograd_wgrad": ("preset", "8b", ["--model.fuse_wgrad_accumulation=false"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
+    # gradient accumulation (training.global_batch_size): 4 sequences per optimizer step, one at a time, as
+    # Megatron's published 8B runs take several micro-batches a step; beside the peer accumulating as many
+    "8b_fp8_ga4": ("preset", "8b", ["--training.global_batch_size=4"]),
+    "8b_fp8_b2_mlp4_ga2": ("preset", "8b", _batch2_recomputing_every(4, "mlp") + ["--training.global_batch_size=4"]),
+    "8b_peer_ga4": ("peer", "8b", {"float8": True, "bf16_state": True, "accum": 4}),
 }
 DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"
 # kernel-name fragments per category, first match wins (attention before GEMM: fused attention kernels
@@ -355,6 +360,7 @@ def child_peer(a, opts: dict) -> dict:
     from titan_te.models.llama import FLAVORS, resolve_args
 
     _, flavor, batch = PRESETS[a.size]
+    accum = opts.get("accum", 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -371,7 +377,7 @@ def child_peer(a, opts: dict) -> dict:
 
     def run(n: int, each=None) -> None:
         for i in range(n):
-            loss = peer_step(model, opt, tokens, labels)
+            loss = peer_step(model, opt, tokens, labels, accum)
             done[0] += 1
             if done[0] % 10 == 0 or i == n - 1:  # log steps only: torchtitan reads the loss there
                 losses.append(loss.item())
@@ -382,7 +388,7 @@ def child_peer(a, opts: dict) -> dict:
     peak = _peak_gib()
     parts = _profile_peer(run, a.profile_steps, Path(a.tmp) / "trace.json")
     dist.destroy_process_group()
-    return {"step_s": step_s, "call_s": call_s, "tokens": batch * a.seq_len,
+    return {"step_s": step_s, "call_s": call_s, "tokens": accum * batch * a.seq_len,
             "flops_per_token": args.flops_per_token(a.seq_len),
             "causal_flops_per_token": causal_flops_per_token(args, a.seq_len), "peak_gib": peak, "parts": parts,
             "losses": [losses[0], losses[-1]]}
@@ -463,11 +469,19 @@ def run_child(name: str, a, gpus: int = 1) -> dict | None:
     return res
 
 
+def _peer_of(name: str, results: dict[str, dict]) -> dict | None:
+    """The peer run of `name`'s size with as many tokens per optimizer step, else the size's plain peer."""
+    size = RUNS[name][1]
+    same = [r for n, r in results.items()
+            if RUNS[n][0] == "peer" and RUNS[n][1] == size and r["tokens"] == results[name]["tokens"]]
+    return same[0] if same else results.get(f"{size}_peer")
+
+
 def tables(results: dict[str, dict]) -> str:
     rows = ["| run | tok/s | TFLOP/s | TFLOP/s, Megatron's count | MFU | peak GiB | vs peer |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in results.items():
-        peer = results.get(f"{RUNS[name][1]}_peer")
+        peer = _peer_of(name, results)
         ratio = f"{r['tok_s'] / peer['tok_s']:.3f}x" if peer else "n/a"
         rows.append(f"| {name} | {r['tok_s']:,.0f} | {r['tflops']:.0f} | {r['tflops_causal']:.0f} | "
                     f"{100 * r['tflops'] * 1e12 / PEAK:.1f}% | "

@@ -213,3 +213,18 @@ def test_cast_probe_runs_a_training_step_and_names_our_lines(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/cast_probe.py"), "--config", "debug",
                           "--training.steps_typo=3"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("config error: unknown key training.steps_typo")
+
+
+def test_a_run_is_compared_with_the_peer_taking_as_many_tokens_per_optimizer_step():
+    """A gradient-accumulating row's ratio is to the peer accumulating as many sequences a step; a row without such
+    a peer in the run (batch 2 at 8B) keeps the size's plain peer, as before."""
+    def result(tok_s, tokens):
+        return {"tok_s": tok_s, "tokens": tokens, "tflops": 1.0, "tflops_causal": 1.0, "peak_gib": 1.0,
+                "step_s": tokens / tok_s, "parts": {}}
+
+    results = {"8b_fp8_ga4": result(15_000, 4 * 8192), "8b_fp8_b2_mlp4": result(15_200, 2 * 8192),
+               "8b_peer": result(11_000, 8192), "8b_peer_ga4": result(12_000, 4 * 8192)}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in train_bench.tables(results).splitlines()
+            if line.startswith("| 8b_") and "%" in line}
+    assert rows == {"8b_fp8_ga4": "1.250x |", "8b_fp8_b2_mlp4": "1.382x |", "8b_peer": "1.000x |",
+                    "8b_peer_ga4": "1.000x |"}
