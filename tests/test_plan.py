@@ -125,6 +125,26 @@ def test_a_peak_within_the_allocators_slack_of_the_card_is_tight_not_fits():
     assert rows["activation checkpointing"].endswith("the lightest that fits: full")
 
 
+def test_gradient_accumulation_holds_every_gradient_through_the_later_micro_batches():
+    """16 of the 8B's blocks on an H100: batch 1 planned 62.6 GiB and measured 62.7; with 4 micro-batches a step
+    (training.global_batch_size = 4) the FP32 gradients of the first stay through the forward and backward of the
+    others, and the run ran out of memory in step 2 (H100, 2026-12-07: 77.3 GiB held, 1.96 GiB asked for), where
+    the planner had said 62.6 and fits. Now: every gradient on top of batch 1's peak, less the first unit's
+    gradients it counted already."""
+    one = _plan("llama_fp8", gpu="H100", **{"model.n_layers": 16})
+    four = _plan("llama_fp8", gpu="H100", **{"model.n_layers": 16, "training.global_batch_size": 4})
+    assert one.peak["none"] / GiB == pytest.approx(62.6, abs=0.05) and one.fits["none"]
+    assert four.peak["none"] / GiB == pytest.approx(77.5, abs=0.05) and not four.fits["none"]
+    rows = dict(four.rows)
+    assert rows["peak / rank, AC none"].startswith("77.5 GiB of 79.6 GiB on a H100: tight")
+    # the gradients held are all of them: FSDP's shards of them on 8 GPUs, beside the unit's unsharded ones
+    eight = _plan("llama_fp8", ngpu=8, **{"parallelism.unsharded_one_rank": False})
+    eight_ga = _plan("llama_fp8", ngpu=8, **{"parallelism.unsharded_one_rank": False,
+                                             "training.global_batch_size": 32})
+    grads = float(dict(eight.rows)["gradients / rank"].split()[0]) * GiB
+    assert eight_ga.peak["none"] - eight.peak["none"] == pytest.approx(grads, abs=0.05 * GiB)  # the row rounds
+
+
 def test_llama_70b_on_one_8_gpu_h200_node_fits_with_bf16_weights_and_full_activation_checkpointing():
     """The README's example: Llama 3 70B, bf16 moments, one node of 8 H200s. With FP8 weights a block that
     activation checkpointing recomputes keeps its gathered FP8 weights from its forward to its backward

@@ -231,15 +231,20 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     plan = Plan()
     memory, peak_flops = card.memory, card.peak_flops
     block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
+    grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
+    # at the start of the backward the first unit's gradients are new; from a step's second micro-batch on, the
+    # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,
+    # beside the unit's own waiting for its reduce-scatter)
+    held_grads = (grads + (block_grads if gathers else 0)) if grad_accum > 1 else block_grads
     for mode in AC_MODES:
         # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
         plan.kept_gathered[mode] = 0 if not gathers else sum(
             b for u, b in zip(m.units, m.unit_bytes) if m.keeps_gathered(u, acfg, mode))
-        # the peak is at the start of the backward (every activation, the head's buffers, the first unit's
-        # gradients, the kept gathered blocks) or in the optimizer step (every gradient, no activation):
-        # gradients replace activations block by block as the backward goes
+        # the peak is at the start of the backward (every activation, the head's buffers, the gradients held
+        # then, the kept gathered blocks) or in the optimizer step (every gradient, no activation): in one
+        # micro-batch gradients replace activations block by block as the backward goes
         plan.peak[mode] = weights + state + transient + WORKSPACE + max(
-            acts[mode] + head + block_grads + plan.kept_gathered[mode], grads)
+            acts[mode] + head + held_grads + plan.kept_gathered[mode], grads)
         plan.fits[mode] = plan.peak[mode] <= memory * (1 - ALLOCATOR_SLACK)
     # checkpoint: weights as stored (FP8 1 byte, others FP32) + optimizer state (what DCP writes)
     plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + state_full
@@ -260,7 +265,6 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     shard_link = nvlink if div <= ngpu else ib  # the shard group within one node: NVLink, else InfiniBand
     comm_s = (plan.gather_bytes + plan.scatter_bytes) / (shard_link * 1e9)
     comm_s += replicate_bytes / ((ib if nnodes > 1 else nvlink) * 1e9)
-    grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
     step_tokens = tokens * grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
     every = _n_recomputed(m.args.n_layers, acfg.every_n) / m.args.n_layers
