@@ -39,9 +39,6 @@ RUNS = {
     "bf16_b2": ["--fp8.enable=false", "--training.local_batch_size=2"],
     "fp8_b2_mlp4": ["--training.local_batch_size=2", "--activation_checkpoint.mode=mlp",
                     "--activation_checkpoint.every_n=4"],
-    # gradient accumulation, 4 sequences an optimizer step (train_bench's 8b_fp8_ga4), against bf16 at the same
-    "bf16_ga4": ["--fp8.enable=false", "--training.global_batch_size=4"],
-    "fp8_ga4": ["--training.global_batch_size=4"],
 }
 
 
