@@ -28,6 +28,15 @@ RUNS = {
     "bf16": ["--fp8.enable=false"],
     "fp8": [],
     "fp8_attention": ["--fp8.attention=true"],
+    # FP8 attention's loss, by where delayed scaling may fail it: a scale one step behind a growing amax clips
+    # (dP and dO grow fast early in training), a scale held down by the largest amax of 1024 steps loses
+    # precision; headroom of 2 powers of two against the first, the latest amax only against the second (both
+    # apply to every FP8 tensor, so the fp8 rows with them are the references)
+    "fp8_attention_margin2": ["--fp8.attention=true", "--fp8.margin=2"],
+    "fp8_margin2": ["--fp8.margin=2"],
+    "fp8_attention_recent": ["--fp8.attention=true", "--fp8.amax_history_len=16",
+                             "--fp8.amax_compute_algo=most_recent"],
+    "fp8_recent": ["--fp8.amax_history_len=16", "--fp8.amax_compute_algo=most_recent"],
     "fp8_current": ["--fp8.recipe=current"],
     "fp8_uncalibrated": ["--fp8.calibrate_first_step=false"],  # delayed scaling's first step as TE leaves it
     "fp8_head_all": ["--fp8.head=all"],

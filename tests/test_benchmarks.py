@@ -87,7 +87,7 @@ def test_every_benchmark_row_is_a_config_the_trainer_accepts():
     rows = [(name, train_bench.PRESETS[size][0], overrides)
             for name, (kind, size, overrides) in train_bench.RUNS.items() if kind != "peer"]
     rows += [(name, preset, overrides) for name, overrides in loss_bench.RUNS.items()
-             for size, preset in loss_bench.PRESETS.items() if (size, name) != ("1b", "fp8_attention")]
+             for size, preset in loss_bench.PRESETS.items() if size != "1b" or not name.startswith("fp8_attention")]
     assert len(rows) > 20
     for name, preset, overrides in rows:
         cfg, _ = config_mod.load(["--config", preset, *overrides], hardware=False)
