@@ -88,7 +88,7 @@ RUNS = {
     # gradient accumulation (training.global_batch_size): 4 sequences per optimizer step, one at a time, as
     # Megatron's published 8B runs take several micro-batches a step; beside the peer accumulating as many. Every
     # FP32 gradient is then held through the later micro-batches: the whole 8B plans 138.3 GiB on an H200 (tight),
-    # so these run at --n_layers 16 (README: Planning many GPUs)
+    # so run them with --n_layers 16 on one GPU (README: Planning many GPUs)
     "8b_fp8_ga4": ("preset", "8b", ["--training.global_batch_size=4"]),
     "8b_peer_ga4": ("peer", "8b", {"float8": True, "bf16_state": True, "accum": 4}),
 }
