@@ -431,7 +431,10 @@ def run_child(name: str, a, gpus: int = 1) -> dict | None:
     """One run in fresh processes: `gpus` ranks (NCCL, one GPU each) for the presets, one for the peer."""
     kind = RUNS[name][0]
     root = Path(a.before).resolve() if kind == "before" else ROOT
+    from titan_te.main import set_environment_defaults  # this checkout's (main() put it on the path); no torch
+
     env = dict(os.environ)
+    set_environment_defaults(env)  # every run, the peer's too, starts as train.py does (torchtitan's allocator)
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                         if p and Path(p).resolve() != ROOT])
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, f"--warmup={a.warmup}",
@@ -528,6 +531,7 @@ def main() -> int:
         return 2
     if a.child:
         return child(a)
+    sys.path.insert(0, str(ROOT))  # the parent only: a *_before child imports the older checkout's titan_te
     unknown = [n for n in a.runs.split(",") if n not in RUNS]
     if unknown:
         print(f"train_bench: unknown run(s) {', '.join(unknown)}; known: {', '.join(RUNS)}", file=sys.stderr)

@@ -113,6 +113,22 @@ def test_a_node_without_a_gpu_driver_counts_no_gpus_without_importing_torch():
     assert r.returncode == 0 and r.stdout.split() == ["1", "False"], r.stderr
 
 
+def test_a_training_process_grows_cuda_segments_in_place_unless_the_user_chose_the_allocator():
+    """train.py (and every train_bench run, the peer's too) starts with PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True, as torchtitan's launcher does; a user's own setting is kept whole, and so is a
+    user's TORCH_CPP_LOG_LEVEL. Checked in a fresh process: the defaults must be in place before torch starts."""
+    code = ("import os, sys; from titan_te.main import set_environment_defaults; set_environment_defaults(); "
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'], os.environ['TORCH_CPP_LOG_LEVEL'], 'torch' in sys.modules)")
+    env = {k: v for k, v in _env().items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_CPP_LOG_LEVEL")}
+    runs = [({}, ["expandable_segments:True", "ERROR", "False"]),
+            ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512", "TORCH_CPP_LOG_LEVEL": "INFO"},
+             ["max_split_size_mb:512", "INFO", "False"])]
+    for extra, expected in runs:
+        r = subprocess.run(["python3", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           env={**env, **extra})
+        assert r.returncode == 0 and r.stdout.split() == expected, (extra, r.stdout, r.stderr)
+
+
 def test_the_workers_exit_waits_for_threads_runs_exit_handlers_flushes_and_keeps_the_code(tmp_path):
     """train.py ends with titan_te.main.leave: it skips only Python's teardown of the modules."""
     code = f"""

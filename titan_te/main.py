@@ -83,10 +83,21 @@ def _tell_the_launcher() -> None:
         raise Interrupted(signal.SIGTERM, "starting (the launcher is gone)")
 
 
+def set_environment_defaults(env=os.environ) -> None:
+    """What a training process sets before torch starts CUDA, each only where the user has not:
+
+    - torch's C++ warnings off (a rendezvous retrying its connection prints twenty lines a second and would bury
+      the one line a user needs); TORCH_CPP_LOG_LEVEL=INFO brings them back;
+    - CUDA's caching allocator growing its segments in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+      as torchtitan's launcher sets it): with fixed segments the free memory of a run near the card's capacity
+      lies in pieces too small for one large buffer (the README's planner section has the run that showed it).
+      Any PYTORCH_CUDA_ALLOC_CONF of the user's is kept whole."""
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def _main(argv: list[str]) -> int:
-    # torch's C++ warnings (e.g. a rendezvous retrying its connection, twenty lines a second) would bury
-    # the one line a user needs; TORCH_CPP_LOG_LEVEL=INFO brings them back
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    set_environment_defaults()
     from pathlib import Path
 
     from titan_te import config as config_mod
