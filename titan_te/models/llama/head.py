@@ -46,10 +46,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 @functools.cache
 def _fp32_accumulating_addmm(device_type: str) -> bool:
-    """Whether torch.addmm takes out_dtype=float32 for bf16 inputs here (CUDA, recent torch)."""
+    """Whether torch.mm and torch.addmm take out_dtype=float32 for bf16 inputs here (CUDA, recent torch)."""
     x = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
     try:
-        torch.addmm(torch.zeros(1, 1, device=device_type), x, x, out_dtype=torch.float32)
+        torch.addmm(torch.mm(x, x, out_dtype=torch.float32), x, x, out_dtype=torch.float32)
     except (TypeError, RuntimeError, NotImplementedError):
         return False
     return True
@@ -135,9 +135,9 @@ def _loss_and_grads(hidden, weight, labels, chunk: int, kernel: bool, need_h: bo
             elif need_h:
                 torch.mm(dlogits, w, out=grad_h[start:start + chunk])
             if need_w:
-                if grad_w is None:
-                    grad_w = torch.zeros(w.shape, dtype=torch.float32 if fp32_gemm else dtype, device=w.device)
-                if fp32_gemm:
+                if grad_w is None:  # the first chunk's GEMM starts the sum: no zero-filled buffer to add to
+                    grad_w = torch.mm(dlogits.t(), hc, out_dtype=torch.float32) if fp32_gemm else dlogits.t() @ hc
+                elif fp32_gemm:
                     grad_w = torch.addmm(grad_w, dlogits.t(), hc, out_dtype=torch.float32)
                 else:
                     grad_w.addmm_(dlogits.t(), hc)
