@@ -84,6 +84,11 @@ RUNS = {
     # take autograd's bf16 gradients and cast them instead
     "1b_fp8_autograd_wgrad": ("preset", "1b", ["--model.fuse_wgrad_accumulation=false"]),
     "8b_fp8_autograd_wgrad": ("preset", "8b", ["--model.fuse_wgrad_accumulation=false"]),
+    # ... or in bf16 (model.wgrad_dtype): half the bytes the optimizer and the gradient norm read
+    "1b_fp8_bf16_wgrad": ("preset", "1b", ["--model.wgrad_dtype=bfloat16"]),
+    "8b_fp8_bf16_wgrad": ("preset", "8b", ["--model.wgrad_dtype=bfloat16"]),
+    "8b_fp8_b2_mlp4_bf16_wgrad": ("preset", "8b",
+                                  _batch2_recomputing_every(4, "mlp") + ["--model.wgrad_dtype=bfloat16"]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
     # gradient accumulation (training.global_batch_size): 4 sequences per optimizer step, one at a time, as
     # Megatron's published 8B runs take several micro-batches a step; beside the peer accumulating as many. Every

@@ -26,9 +26,21 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 def grad_norm(parameters) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
-    tensor (no host sync)."""
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=2.0,
-                                          foreach=True)
+    tensor (no host sync). Local bf16 / fp16 gradients (model.wgrad_dtype) have their norms taken in FP32."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    low = [g for g in grads if g.dtype in (torch.bfloat16, torch.float16) and not isinstance(g, DTensor)]
+    if low:
+        rest = [g for g in grads if g.dtype not in (torch.bfloat16, torch.float16) or isinstance(g, DTensor)]
+        parts = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(low, 2.0, dtype=torch.float32)))]
+        if rest:
+            parts.append(_total_norm(rest).to(parts[0].device))
+        return torch.linalg.vector_norm(torch.stack(parts))
+    return _total_norm(grads)
+
+
+def _total_norm(grads: list) -> torch.Tensor:
+    """torch's total norm of `grads` (foreach), reduced over the mesh for DTensors."""
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
