@@ -28,14 +28,16 @@ def grad_norm(parameters) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
     tensor (no host sync). Local bf16 / fp16 gradients (model.wgrad_dtype) have their norms taken in FP32."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    low = [g for g in grads if g.dtype in (torch.bfloat16, torch.float16) and not isinstance(g, DTensor)]
-    if low:
-        rest = [g for g in grads if g.dtype not in (torch.bfloat16, torch.float16) or isinstance(g, DTensor)]
-        parts = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(low, 2.0, dtype=torch.float32)))]
-        if rest:
-            parts.append(_total_norm(rest).to(parts[0].device))
-        return torch.linalg.vector_norm(torch.stack(parts))
-    return _total_norm(grads)
+    low = [g for g in grads if _local_low_precision(g)]
+    if not low:
+        return _total_norm(grads)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(low, 2.0, dtype=torch.float32)))
+    rest = [g for g in grads if not _local_low_precision(g)]
+    return torch.hypot(total, _total_norm(rest).to(total.device)) if rest else total
+
+
+def _local_low_precision(g: torch.Tensor) -> bool:
+    return g.dtype in (torch.bfloat16, torch.float16) and not isinstance(g, DTensor)
 
 
 def _total_norm(grads: list) -> torch.Tensor:

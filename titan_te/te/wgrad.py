@@ -39,7 +39,7 @@ class WeightGradBuffers:
     step."""
 
     def __init__(self, model: torch.nn.Module, enabled: bool = True, dtype: torch.dtype = torch.float32):
-        self.weights, self.dtype = [], dtype
+        self.weights = []
         for module in model.modules() if enabled else ():
             weights = _gemm_weights(module)
             if not weights:
