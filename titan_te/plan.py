@@ -211,6 +211,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     from titan_te import config as config_mod
     from titan_te.optim import OPTIMIZERS
     from titan_te.parallel import select
+    from titan_te.train_utils import global_batch_plan
 
     world = ngpu * nnodes
     rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
@@ -239,7 +240,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     plan = Plan()
     memory, peak_flops = card.memory, card.peak_flops
     block_grads = max(m.unit_grads) * wgrad / 2 / div if m.unit_grads else 0  # FP32 (or wgrad's), sharded
-    grad_accum = max(t.global_batch_size, 0) // (t.local_batch_size * rep * shard) or 1
+    grad_accum = global_batch_plan(t, rep * shard, None)[0]  # as the trainer derives it
     # at the start of the backward the first unit's gradients are new; from a step's second micro-batch on, the
     # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,
     # beside the unit's own waiting for its reduce-scatter)
