@@ -270,3 +270,18 @@ def test_a_model_familys_own_rules_run_with_the_config(capsys):
     capsys.readouterr()
     assert main(["--fp8.enable=true", "--fp8.attention=true"]) == 2
     assert "the debug flavor's is 32; set --fp8.attention=false" in capsys.readouterr().err
+
+
+def test_bf16_weight_gradients_need_them_in_place_and_an_optimizer_that_reads_them(capsys):
+    from titan_te.main import main
+
+    capsys.readouterr()
+    assert main(["--model.wgrad_dtype=bfloat16", "--optimizer.name=adamw"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "config error: model.wgrad_dtype = 'bfloat16': optimizer adamw does not read bf16 gradients of FP32 weights; "
+        "optimizers that do: fused_adam (in <defaults> or the command line)"]
+    assert main(["--model.wgrad_dtype=bfloat16", "--optimizer.name=fused_adam",
+                 "--model.fuse_wgrad_accumulation=false"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "config error: model.wgrad_dtype = 'bfloat16' is the dtype of TE's in-place weight gradients, which "
+        "model.fuse_wgrad_accumulation = false turns off")

@@ -183,3 +183,31 @@ def test_the_training_state_check_finds_one_bad_value_anywhere(bad, where):
     with torch.no_grad():
         target.view(-1)[target.numel() // 2] = bad
     assert not training_state_finite(model, opt)
+
+
+def test_bf16_gradients_of_fp32_weights_update_as_their_values_in_fp32_do():
+    """model.wgrad_dtype = bfloat16 hands clipping and fused_adam bf16 gradients of FP32 weights (`grad_dtype`):
+    the norm (taken in FP32) and the update equal those of FP32 gradients holding the same bf16 values."""
+    from titan_te.optim.fused_adam import FusedAdam
+    from titan_te.train_utils import clip_grad_norm
+
+    models = [_model(), _model()]
+    opts = [FusedAdam(_groups(m), **{k: v for k, v in HP.items() if k != "weight_decay"}) for m in models]
+    for p in models[1].parameters():
+        p.grad_dtype = torch.bfloat16
+    for step in range(5):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        norms = []
+        for i, (m, o) in enumerate(zip(models, opts)):
+            (m(x).square().mean() * 100).backward()
+            for p in m.parameters():
+                low, p.grad = p.grad.bfloat16(), None
+                p.grad = low if i else low.float()
+            norms.append(clip_grad_norm(m.parameters(), 0.5, o).item())
+            assert {p.grad.dtype for p in m.parameters()} == {torch.bfloat16 if i else torch.float32}
+            o.step()
+            o.zero_grad()
+        assert norms[1] == pytest.approx(norms[0], rel=1e-6) and norms[0] > 0.5
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)

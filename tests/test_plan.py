@@ -145,6 +145,21 @@ def test_gradient_accumulation_holds_every_gradient_through_the_later_micro_batc
     assert eight_ga.peak["none"] - eight.peak["none"] == pytest.approx(grads, abs=0.05 * GiB)  # the row rounds
 
 
+def test_bf16_weight_gradients_halve_the_block_matrices_gradients_where_te_writes_them_in_place():
+    """model.wgrad_dtype = bfloat16 on one GPU: the blocks' 2-D weights' gradients take 2 bytes (the embedding's,
+    head's and norms' stay FP32); with gradient accumulation every one is held through the later micro-batches;
+    on 8 GPUs FSDP reduces autograd's FP32 gradients, and nothing changes."""
+    ga = {"model.n_layers": 16, "training.global_batch_size": 4}
+    fp32, bf16 = (_plan("llama_fp8", gpu="H100", **ga, **{"model.wgrad_dtype": w}) for w in ("float32", "bfloat16"))
+    n = 16 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 14336)  # 16 blocks: QKV, output, FC1 (gate and up), FC2
+    grads = {w: float(dict(p.rows)["gradients / rank"].split()[0]) * GiB for w, p in (("32", fp32), ("16", bf16))}
+    assert grads["32"] - grads["16"] == pytest.approx(2 * n, abs=0.05 * GiB)
+    assert fp32.peak["none"] - bf16.peak["none"] == pytest.approx(2 * n, rel=0.02)  # the held gradients
+    eight = [_plan("llama_fp8", ngpu=8, **{"parallelism.unsharded_one_rank": False, "model.wgrad_dtype": w})
+             for w in ("float32", "bfloat16")]
+    assert eight[0].peak == eight[1].peak and dict(eight[0].rows) == dict(eight[1].rows)
+
+
 def test_llama_70b_on_one_8_gpu_h200_node_fits_with_bf16_weights_and_full_activation_checkpointing():
     """The README's example: Llama 3 70B, bf16 moments, one node of 8 H200s. With FP8 weights a block that
     activation checkpointing recomputes keeps its gathered FP8 weights from its forward to its backward

@@ -552,13 +552,14 @@ def test_a_fresh_optimizer_over_resumed_fp8_weights_starts_from_them_not_from_in
     assert max(again[1]) < first[1][0] - 0.5 * (first[1][0] - first[1][-1])  # nowhere near init's loss again
 
 
-def _weight_grads(rank, world, tmp, fuse):
+def _weight_grads(rank, world, tmp, fuse, wgrad_dtype="float32"):
     """The gradients of two micro-batches' forward and backward on 1B-wide blocks with the presets' FP8 setting on
-    one rank (no FSDP), TE writing its weight gradients in place (`fuse`) or handing them to autograd; with what
-    the in-place buffers looked like before publish() and after release()."""
+    one rank (no FSDP), TE writing its weight gradients in place (`fuse`, in `wgrad_dtype`) or handing them to
+    autograd; with what the in-place buffers looked like before publish() and after release()."""
     from titan_te.trainer import Trainer
 
-    sections = {"model": {"backend": "te", "flavor": "1B", "n_layers": 2, "fuse_wgrad_accumulation": fuse},
+    sections = {"model": {"backend": "te", "flavor": "1B", "n_layers": 2, "fuse_wgrad_accumulation": fuse,
+                          "wgrad_dtype": wgrad_dtype},
                 "training": {"local_batch_size": 2, "seq_len": 256}, "parallelism": {"unsharded_one_rank": True},
                 "fp8": {"enable": True}}
     for key, value in PRESET_FP8.items():
@@ -606,17 +607,37 @@ def test_weight_gradients_written_in_place_by_te_equal_autograds(tmp_path):
     assert others and all(torch.equal(fused[n], plain[n]) for n in others)
 
 
-@pytest.mark.parametrize("precision", ["fp8", "bf16"])
-def test_in_place_weight_gradients_train_like_autograds_with_accumulation(precision, tmp_path):
+def test_bf16_weight_gradients_written_in_place_equal_autograds():
+    """model.wgrad_dtype = bfloat16: TE's GEMMs write the same weights' gradients into bf16 buffers that become
+    param.grad as they are (the FP32 weights take a bf16 gradient), the second micro-batch added in bf16; they equal
+    autograd's FP32 sums of bf16 gradients up to bf16's rounding, and every other gradient is the same bytes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        low, info = run_ranks(_weight_grads, 1, f"{tmp}/bf16", True, "bfloat16")[0]
+        plain, _ = run_ranks(_weight_grads, 1, f"{tmp}/off", False)[0]
+    gemm = sorted(info["in_place"])
+    assert len(gemm) == 8 and info["dtypes"] == {"torch.bfloat16", "torch.float32"} and info["held"] == []
+    worst = max(((low[n] - plain[n]).norm() / plain[n].norm()).item() for n in gemm)
+    print(f"in-place bf16 weight gradients vs autograd's, 2 micro-batches: worst relative gap {worst:.2e}")
+    assert worst < 5e-3
+    others = [n for n in low if n not in info["in_place"]]
+    assert others and all(torch.equal(low[n], plain[n]) for n in others)
+
+
+@pytest.mark.parametrize("precision,wgrad_dtype", [("fp8", "float32"), ("bf16", "float32"), ("fp8", "bfloat16")])
+def test_in_place_weight_gradients_train_like_autograds_with_accumulation(precision, wgrad_dtype, tmp_path):
     """1B-wide blocks, one rank, 2 micro-batches a step, with the presets' FP8 setting or TE's bf16 layers over FP32
-    weights: the same losses step for step with TE's in-place FP32 weight gradients as with autograd's, up to bf16's
-    rounding of the latter."""
+    weights: the same losses step for step with TE's in-place weight gradients (FP32, or bf16 added up in bf16) as
+    with autograd's, up to bf16's rounding."""
     short = {"training.steps": 20, "training.local_batch_size": 2, "training.global_batch_size": 4,
              "parallelism.unsharded_one_rank": True,
              **({"fp8.enable": True, **PRESET_FP8} if precision == "fp8" else {})}
-    runs = {on: run_ranks(_train_1b, 1, str(tmp_path / str(on)), {**short, "model.fuse_wgrad_accumulation": on})[0]
+    runs = {on: run_ranks(_train_1b, 1, str(tmp_path / str(on)),
+                          {**short, "model.fuse_wgrad_accumulation": on, "model.wgrad_dtype": wgrad_dtype if on
+                           else "float32"})[0]
             for on in (True, False)}
     worst = max(abs(a - b) / b for a, b in zip(runs[True], runs[False]))
-    print(f"{precision}: in-place vs autograd weight gradients, 20 steps of 2 micro-batches: worst relative loss "
-          f"difference {worst:.2e}")
+    print(f"{precision}, {wgrad_dtype}: in-place vs autograd weight gradients, 20 steps of 2 micro-batches: worst "
+          f"relative loss difference {worst:.2e}")
     assert len(runs[True]) == 20 and worst < 5e-3

@@ -127,6 +127,11 @@ class _Model:
         return sum(self.params[n].numel() for n in self.fp8)
 
     @property
+    def n_block_matrices(self) -> int:
+        """The blocks' 2-D weights: those whose gradients TE's GEMMs write (model.fuse_wgrad_accumulation)."""
+        return sum(p.numel() for b in self.model.layers.values() for p in b.parameters() if p.dim() == 2)
+
+    @property
     def n_other(self) -> int:
         return sum(p.numel() for n, p in self.params.items() if n not in self.fp8)
 
@@ -222,7 +227,10 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     card = GPUS[gpu]
     transposes = n_fp8 if card.fp8_transpose and not gathers else 0
     weights = (n_fp8 * 1 + n_other * 4) / div + transposes
-    grads, state = (n_fp8 + n_other) * 4 / div, state_full / div
+    # TE writes the block matrices' gradients in place in model.wgrad_dtype where nothing reduces them
+    wgrad = 2 if (cfg.model.wgrad_dtype == "bfloat16" and cfg.model.fuse_wgrad_accumulation
+                  and parallel.local_grads) else 4
+    grads, state = ((n_fp8 + n_other - m.n_block_matrices) * 4 + m.n_block_matrices * wgrad) / div, state_full / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
     # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
     transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
@@ -231,7 +239,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     acts, head = _activations(cfg, m, vocab, tokens, card.fp8_transpose)
     plan = Plan()
     memory, peak_flops = card.memory, card.peak_flops
-    block_grads = max(m.unit_grads) * 2 / div if m.unit_grads else 0  # FP32, sharded
+    block_grads = max(m.unit_grads) * wgrad / 2 / div if m.unit_grads else 0  # FP32 (or wgrad's), sharded
     grad_accum = global_batch_plan(t, rep * shard, None)[0]  # as the trainer derives it
     # at the start of the backward the first unit's gradients are new; from a step's second micro-batch on, the
     # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,

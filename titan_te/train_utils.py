@@ -26,9 +26,23 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 def grad_norm(parameters) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
-    tensor (no host sync)."""
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], norm_type=2.0,
-                                          foreach=True)
+    tensor (no host sync). Local bf16 / fp16 gradients (model.wgrad_dtype) have their norms taken in FP32."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    low = [g for g in grads if _local_low_precision(g)]
+    if not low:
+        return _total_norm(grads)
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(low, 2.0, dtype=torch.float32)))
+    rest = [g for g in grads if not _local_low_precision(g)]
+    return torch.hypot(total, _total_norm(rest).to(total.device)) if rest else total
+
+
+def _local_low_precision(g: torch.Tensor) -> bool:
+    return g.dtype in (torch.bfloat16, torch.float16) and not isinstance(g, DTensor)
+
+
+def _total_norm(grads: list) -> torch.Tensor:
+    """torch's total norm of `grads` (foreach), reduced over the mesh for DTensors."""
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 

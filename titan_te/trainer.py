@@ -155,7 +155,7 @@ class Trainer:
         model = self._model(cfg.model, cfg.fp8, cfg.training, cfg)  # 3.
         self.train_model = self._parallelize(model, cfg.parallelism, cfg.activation_checkpoint, cfg.compile,
                                              cfg.training)  # 4.
-        self._initialize(model, cfg.training, cfg.model.fuse_wgrad_accumulation)  # 5.
+        self._initialize(model, cfg.training, cfg.model)  # 5.
         self._optimizer(model, cfg)  # 6.
         self._checkpoints(model, cfg.checkpoint, cfg.training)  # 7.
         self._outputs(cfg, val_source)  # 8.
@@ -245,7 +245,7 @@ class Trainer:
         self._amp_dtype = mp.param_dtype
         return train_model
 
-    def _initialize(self, model, t, fuse_wgrad: bool) -> None:
+    def _initialize(self, model, t, mcfg) -> None:
         """5. Materialize and initialize: the same full weights for any world size and seed; then TE's in-place
         weight gradients where they apply (model.fuse_wgrad_accumulation)."""
         backend_spec = BACKENDS.get(self.backend)
@@ -261,10 +261,11 @@ class Trainer:
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
         # on the materialized weights (TE's reset_parameters makes new ones)
-        self.wgrads = WeightGradBuffers(model, fuse_wgrad and PARALLELISMS.get(self.parallel).local_grads)
+        self.wgrads = WeightGradBuffers(model, mcfg.fuse_wgrad_accumulation and
+                                        PARALLELISMS.get(self.parallel).local_grads, getattr(torch, mcfg.wgrad_dtype))
         if len(self.wgrads):
-            logger.info(f"weight gradients: {len(self.wgrads)} written in FP32 by TE's GEMMs "
-                        f"(model.fuse_wgrad_accumulation)")
+            logger.info(f"weight gradients: {len(self.wgrads)} written in {mcfg.wgrad_dtype} by TE's GEMMs "
+                        f"(model.fuse_wgrad_accumulation, model.wgrad_dtype)")
 
     def _optimizer(self, model, cfg) -> None:
         """6. The optimizer (with its own [optimizer.<name>] options, if it declares any) and the LR schedule."""

@@ -89,6 +89,12 @@ class Model:
                                               "gradients in place, adding up micro-batches, instead of bf16 ones "
                                               "that autograd casts; FSDP2 and DDP reduce autograd's gradients, "
                                               "so elsewhere it has no effect")
+    wgrad_dtype: str = opt("float32", "the dtype TE's in-place weight gradients (fuse_wgrad_accumulation) are "
+                                      "written and added up in: bfloat16 halves their memory and the bytes that "
+                                      "clipping and the optimizer read, rounding each gradient (and, with "
+                                      "gradient accumulation, each micro-batch's sum) to bf16; needs an optimizer "
+                                      "that reads bf16 gradients of FP32 weights (fused_adam)",
+                           choices=("float32", "bfloat16"))
 
 
 @dataclass

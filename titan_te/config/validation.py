@@ -257,6 +257,9 @@ def _check_values(cfg: Config, where: str) -> None:
             raise ConfigError(f"fp8.attention: the {cfg.fp8.recipe} recipe has no FP8 attention; recipes "
                               f"with it: {able} {where}")
 
+    if cfg.model.wgrad_dtype != "float32":
+        _check_wgrad_dtype(cfg, where)
+
     from titan_te.models import MODELS
 
     flavors = MODELS.get(cfg.model.name).flavors
@@ -286,6 +289,20 @@ def _check_values(cfg: Config, where: str) -> None:
     if cfg.checkpoint.load_step != -1 and not cfg.checkpoint.enable:  # it would train from step 1, silently
         raise ConfigError(f"checkpoint.load_step = {cfg.checkpoint.load_step} resumes a checkpoint, which needs "
                           f"checkpoint.enable = true; set --checkpoint.enable=true, or leave load_step out {where}")
+
+
+def _check_wgrad_dtype(cfg: Config, where: str) -> None:
+    """model.wgrad_dtype is the dtype of TE's in-place weight gradients: they must be on, and the optimizer must
+    read gradients of another dtype than their FP32 weights."""
+    ask = f"model.wgrad_dtype = '{cfg.model.wgrad_dtype}'"
+    if not cfg.model.fuse_wgrad_accumulation:
+        raise ConfigError(f"{ask} is the dtype of TE's in-place weight gradients, which model.fuse_wgrad_accumulation "
+                          f"= false turns off {where}")
+    registry = _registry("titan_te.optim:OPTIMIZERS")
+    if not registry.get(cfg.optimizer.name).reads_low_precision_grads:
+        able = ", ".join(n for n in registry.names() if registry.get(n).reads_low_precision_grads)
+        raise ConfigError(f"{ask}: optimizer {cfg.optimizer.name} does not read bf16 gradients of FP32 weights; "
+                          f"optimizers that do: {able} {where}")
 
 
 def _check_block_indices(cfg: Config, flavor_layers: int | None, where: str) -> None:

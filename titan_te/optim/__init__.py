@@ -30,6 +30,8 @@ class OptimizerSpec:
     state_bytes: Callable = adam_state_bytes
     # seeds its FP32 masters from the pre-quantization init values (fp8.preserve_high_precision_init)
     takes_high_precision_init: bool = False
+    # reads bf16 gradients of FP32 weights (model.wgrad_dtype = bfloat16), e.g. by converting as it loads them
+    reads_low_precision_grads: bool = False
     options: type | None = None  # a dataclass of opt() fields: this optimizer's own [optimizer.<name>] section
     reads: tuple[str, ...] = ADAM  # the shared [optimizer] options it uses (--help says so; others are refused)
     # facts(optimizer_cfg, its own options or None) -> what its checkpointed state depends on (kept in the

@@ -218,6 +218,10 @@ class FusedAdam(torch.optim.Optimizer):
         weights, m, v = sel(b.weights), sel(b.exp_avg), sel(b.exp_avg_sq)
         masters = sel(b.masters) if b.masters else []
         writer = b.writer
+        if writer != "triton" and b.kind in ("fp32", "quantized") and any(t.dtype != torch.float32 for t in grads):
+            # bf16 gradients of FP32 weights (model.wgrad_dtype): the Triton kernels convert as they load; the
+            # TE and torch paths get FP32 copies
+            grads = [t if t.dtype == torch.float32 else t.float() for t in grads]
         if scale is not None and writer != "triton":
             torch._foreach_mul_(grads, scale)
         if writer == "triton" and b.kind == "quantized":
@@ -368,4 +372,5 @@ def build_fused_adam(named_params, ocfg, device_type: str, init_value=None) -> F
 
 
 OPTIMIZERS.register("fused_adam")(OptimizerSpec(name="fused_adam", build=build_fused_adam,
-                                                  takes_high_precision_init=True, reads=LEAN_ADAM + ("triton",)))
+                                                  takes_high_precision_init=True, reads_low_precision_grads=True,
+                                                  reads=LEAN_ADAM + ("triton",)))

@@ -12,6 +12,10 @@ and the optimizers read, and `release()` frees them with the gradients.
 
 Only where nothing reduces `param.grad` (the `none` parallelism: one rank, or fsdp / hsdp on one rank with
 parallelism.unsharded_one_rank): FSDP2 and DDP reduce the gradients autograd hands them, which TE then leaves out.
+
+`model.wgrad_dtype = "bfloat16"` makes the buffers bf16 (TE's GEMMs write their output in the buffer's dtype): half
+the memory of FP32 gradients and half the bytes that clipping and the optimizer read. The weights stay FP32 by their
+nominal dtype, so each is told to take a gradient of another dtype (`grad_dtype`, torch >= 2.11).
 """
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ def _gemm_weights(module) -> list:
 
 
 class WeightGradBuffers:
-    """Turns TE's in-place FP32 weight gradients on for the TE modules of `model`; the training step calls
-    `microbatch(first)` before each forward, `publish()` after the last backward, `release()` after the step."""
+    """Turns TE's in-place weight gradients (FP32, or `dtype`) on for the TE modules of `model`; the training step
+    calls `microbatch(first)` before each forward, `publish()` after the last backward, `release()` after the
+    step."""
 
-    def __init__(self, model: torch.nn.Module, enabled: bool = True):
+    def __init__(self, model: torch.nn.Module, enabled: bool = True, dtype: torch.dtype = torch.float32):
         self.weights = []
         for module in model.modules() if enabled else ():
             weights = _gemm_weights(module)
@@ -43,7 +48,9 @@ class WeightGradBuffers:
             for p in weights:
                 p.main_grad = None
                 p.__fsdp_param__ = True  # TE then calls p.get_main_grad() in the backward (see above)
-                p.get_main_grad = _allocator(p)
+                p.get_main_grad = _allocator(p, dtype)
+                if dtype != p.dtype:
+                    p.grad_dtype = dtype  # param.grad may then be the buffer (publish)
                 self.weights.append(p)
 
     def __len__(self) -> int:
@@ -67,13 +74,13 @@ class WeightGradBuffers:
             p.main_grad = None
 
 
-def _allocator(p):
+def _allocator(p, dtype: torch.dtype):
     ref = weakref.ref(p)  # the parameter holds this function: no cycle through it
 
     def get_main_grad() -> torch.Tensor:
         w = ref()
         if w.main_grad is None:
-            w.main_grad = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+            w.main_grad = torch.empty(w.shape, dtype=dtype, device=w.device)
         return w.main_grad
 
     return get_main_grad
