@@ -32,7 +32,7 @@ def estimate(cfg, args, optimizer_spec, device: torch.device, shard: int, local_
     fp8_weights = cfg.fp8.enable and cfg.fp8.params
     n = args.num_params()
     weights = 1 if fp8_weights else 4  # FSDP keeps sharded FP32 parameters (FP8 bytes with fp8.params)
-    grads = 2 if cfg.model.wgrad_dtype == "bfloat16" else 4  # a lower bound: bf16 where TE writes them in place
+    grads = getattr(torch, cfg.model.wgrad_dtype).itemsize  # a lower bound: TE's in-place ones in this dtype
     state = optimizer_spec.state_bytes(cfg.optimizer, fp8_weights)
     per_param = weights + grads + state
     t = cfg.training

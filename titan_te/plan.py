@@ -208,6 +208,8 @@ def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) 
 
 def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
               breakdown: dict | None = None) -> Plan:
+    import torch
+
     from titan_te import config as config_mod
     from titan_te.optim import OPTIMIZERS
     from titan_te.parallel import select
@@ -228,8 +230,8 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     transposes = n_fp8 if card.fp8_transpose and not gathers else 0
     weights = (n_fp8 * 1 + n_other * 4) / div + transposes
     # TE writes the block matrices' gradients in place in model.wgrad_dtype where nothing reduces them
-    wgrad = 2 if (cfg.model.wgrad_dtype == "bfloat16" and cfg.model.fuse_wgrad_accumulation
-                  and parallel.local_grads) else 4
+    in_place = cfg.model.fuse_wgrad_accumulation and parallel.local_grads
+    wgrad = getattr(torch, cfg.model.wgrad_dtype).itemsize if in_place else 4
     grads, state = ((n_fp8 + n_other - m.n_block_matrices) * 4 + m.n_block_matrices * wgrad) / div, state_full / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
     # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
