@@ -75,11 +75,11 @@ def differs_from_te(device: torch.device) -> str:
                                        tex.DType.kFloat8E5M2, rowwise=True, columnwise=columnwise) for _ in range(2)]
         (te_rows, _), (rows, cols) = (tensors.fp8_bytes(tex.bgrad_quantize(tex.dswiglu(grad, x, None), te_q)[1]),
                                       tensors.fp8_bytes(dswiglu_fp8(tex.dswiglu, grad, x, our_q)[1]))
-        same = (rows == te_rows).float().mean().item()  # TE's exp may round an element differently
-        if same < 0.999:
-            return f"{1 - same:.1%} of the row-wise FP8 bytes of a {m}x{n} gradient differ from TE's"
+        apart = (rows != te_rows).sum().item()  # TE's exp may round an element differently: a few may differ
+        if apart > rows.numel() // 1000:
+            return f"{apart} of the {rows.numel()} row-wise FP8 bytes of a {m}x{2 * n} gradient differ from TE's"
         if columnwise and not torch.equal(cols, rows.t()):
-            return (f"{(cols != rows.t()).float().mean().item():.1%} of the transposed FP8 bytes of a {m}x{n} "
+            return (f"{(cols != rows.t()).sum().item()} of the {cols.numel()} transposed FP8 bytes of a {m}x{2 * n} "
                     f"gradient are not the row-wise ones transposed")
     return ""
 
