@@ -474,6 +474,54 @@ class _CountedLaunches:
         return self.kernel[grid]
 
 
+class _CorruptTranspose(_CountedLaunches):
+    """The fused kernel, then one transposed byte of its output changed: what a miscompiled transposed store does."""
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def run(*args, **kwargs):
+            launch(*args, **kwargs)
+            if kwargs["TRANSPOSE"]:
+                args[3].view(torch.uint8)[0, 1] ^= 0x11
+
+        return run
+
+
+def test_fused_swiglu_is_checked_on_the_machine_and_gives_way_to_tes_kernels_when_wrong(caplog):
+    """fp8.fused_swiglu checks its kernel against TE's two passes when the model is built: here it agrees and is
+    used; a kernel whose transposed bytes are off (as a miscompiled store makes them) is refused with one warning
+    naming what differed, and TE's kernels run."""
+    import logging
+
+    import transformer_engine.pytorch as te
+
+    from titan_te.config.schema import FP8
+    from titan_te.te import swiglu, swiglu_kernels
+    from titan_te.te.policy import FP8Policy
+
+    caplog.set_level(logging.INFO, logger="titan_te")
+    model = torch.nn.Sequential(te.LayerNormMLP(256, 512, normalization="RMSNorm", activation="swiglu", bias=False,
+                                                device="cuda"))
+    policy = FP8Policy(FP8(enable=True, recipe="delayed", fused_swiglu=True))
+    assert swiglu.differs_from_te(torch.device("cuda")) == ""
+    policy.model_built(model)
+    assert swiglu._ON and "1 SwiGLU MLPs compute" in caplog.text and "checked against TE's" in caplog.text
+    original = swiglu_kernels.dswiglu_cast_transpose
+    swiglu_kernels.dswiglu_cast_transpose = _CorruptTranspose(original)
+    try:
+        caplog.clear()
+        policy.model_built(model)
+        differs = swiglu.differs_from_te(torch.device("cuda"))
+    finally:
+        swiglu_kernels.dswiglu_cast_transpose = original
+        swiglu.uninstall()
+    print(f"corrupt kernel refused: {caplog.text.strip()}")
+    assert "not the row-wise ones transposed" in differs
+    assert not swiglu._ON and "the fused kernel's output is wrong" in caplog.text and "TE's kernels run" in caplog.text
+    assert differs in caplog.text
+
+
 def _fused_swiglu_run(rank, world, tmp, overrides):
     """(losses, launches of the fused kernel) of a _train_1b run."""
     from titan_te.te import swiglu_kernels
@@ -488,8 +536,9 @@ def test_fused_swiglu_training_follows_tes_kernels(tmp_path):
     short = {"training.steps": 20, "fp8.enable": True, **PRESET_FP8}
     runs = {on: run_ranks(_fused_swiglu_run, 1, str(tmp_path / str(on)), {**short, "fp8.fused_swiglu": on})[0]
             for on in (True, False)}
-    # 2 blocks, 20 steps and the calibration pass: one launch per block and backward
-    assert (runs[True][1], runs[False][1]) == (2 * 21, 0)
+    # 2 blocks, 20 steps and the calibration pass: one launch per block and backward, and the two of the check
+    # against TE's kernels when the model is built
+    assert (runs[True][1], runs[False][1]) == (2 * 21 + 2, 0)
     fused, te = runs[True][0], runs[False][0]
     worst = max(abs(a - b) / b for a, b in zip(fused, te))
     print(f"fused swiglu vs TE's kernels, 20 steps: worst relative loss difference {worst:.2e}; losses "

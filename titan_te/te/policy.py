@@ -72,11 +72,19 @@ class FP8Policy:
             swiglu.uninstall()
             return
         n = swiglu.install(model)
-        if n:
-            logger.info(f"fp8.fused_swiglu: {n} SwiGLU MLPs compute SwiGLU's derivative with its FP8 cast in one "
-                        f"kernel")
-        else:
+        if not n:
             logger.warning("fp8.fused_swiglu: this model has no TE SwiGLU MLP without biases; TE's kernels run")
+            return
+        differs = swiglu.differs_from_te(torch.device("cuda", torch.cuda.current_device()))
+        if differs:
+            import triton
+
+            swiglu.uninstall()
+            logger.warning(f"fp8.fused_swiglu: on this machine (Triton {triton.__version__}) the fused kernel's "
+                           f"output is wrong: {differs}; TE's kernels run")
+            return
+        logger.info(f"fp8.fused_swiglu: {n} SwiGLU MLPs compute SwiGLU's derivative with its FP8 cast in one kernel "
+                    f"(checked against TE's on this machine)")
 
     def fp8_weights(self, model):
         """(name, parameter) of every weight that is or will be FP8: on the meta device TE's weights are still

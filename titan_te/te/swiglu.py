@@ -13,7 +13,8 @@ Numerics follow TE's kernels: for x = [a | b] and the incoming gradient g, the d
 [g * b * silu'(a), g * silu(a)], rounded to bf16 before its cast as TE's two-pass path does (its amax is that of
 the rounded values); casts saturate and round to nearest even. `install(model)` puts the function into TE's
 activation table for swiglu under delayed scaling (the FP8 policy calls it, fp8.fused_swiglu); any other case
-(another quantizer, a layout the kernel does not take) runs TE's own functions.
+(another quantizer, a layout the kernel does not take) runs TE's own functions. Before that the policy checks the
+kernel against TE's passes on the machine it runs on (`differs_from_te`) and keeps TE's kernels if they differ.
 """
 from __future__ import annotations
 
@@ -54,6 +55,33 @@ def dswiglu_fp8(te_dswiglu, grad: torch.Tensor, x: torch.Tensor, quantizer, **ac
             grad, x, out.data, t if t is not None else out.data, out.scale, out.amax, out.scale_inv, m, n, out.fp8_max,
             TRANSPOSE=t is not None, BM=BLOCK_ROWS, BN=BLOCK_COLS, num_warps=WARPS)
     return None, result
+
+
+def differs_from_te(device: torch.device) -> str:
+    """'' when the kernel, compiled as training runs it (a shape every tile divides: Triton specializes on that),
+    writes the bytes TE's two passes write, with and without the transpose; else what differed. Triton's code for
+    it comes from the ptxas it bundles, and under some a tile of FP8 values stored twice, row-major and transposed,
+    has come out corrupt in the transposed store (triton-lang/triton#11111; an Adam kernel of ours hit it), so
+    training checks the kernel on its own machine before using it."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    m, n = 4 * BLOCK_ROWS, 4 * BLOCK_COLS
+    x = (torch.randn(m, 2 * n, device=device, generator=gen) * 2).bfloat16()
+    grad = (torch.randn(m, n, device=device, generator=gen) * 1e-3).bfloat16()
+    for columnwise in (True, False):
+        te_q, our_q = [Float8Quantizer(torch.full((1,), 2.0 ** 14, device=device), torch.zeros(1, device=device),
+                                       tex.DType.kFloat8E5M2, rowwise=True, columnwise=columnwise) for _ in range(2)]
+        (te_rows, _), (rows, cols) = (tensors.fp8_bytes(tex.bgrad_quantize(tex.dswiglu(grad, x, None), te_q)[1]),
+                                      tensors.fp8_bytes(dswiglu_fp8(tex.dswiglu, grad, x, our_q)[1]))
+        apart = (rows != te_rows).sum().item()  # TE's exp may round an element differently: a few may differ
+        if apart > rows.numel() // 1000:
+            return f"{apart} of the {rows.numel()} row-wise FP8 bytes of a {m}x{2 * n} gradient differ from TE's"
+        if columnwise and not torch.equal(cols, rows.t()):
+            return (f"{(cols != rows.t()).sum().item()} of the {cols.numel()} transposed FP8 bytes of a {m}x{2 * n} "
+                    f"gradient are not the row-wise ones transposed")
+    return ""
 
 
 _ON = False  # whether the patched table hands out the fused backward (install / uninstall)

@@ -91,6 +91,11 @@ def new_delayed(quantizer, shape, dtype: torch.dtype, device) -> tuple[object, D
                          transpose)
 
 
+def fp8_bytes(t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A per-tensor-scaled FP8 tensor's row-wise bytes and its column-wise (transposed) ones or None, as uint8."""
+    return t._data.view(torch.uint8), t._transpose.view(torch.uint8) if t._transpose is not None else None
+
+
 def is_float8(w) -> bool:
     """A per-tensor-scaled FP8 weight (delayed or current scaling): the kind TE's FusedAdam writes in place."""
     try:
