@@ -231,15 +231,38 @@ def _elastic(rank, world, tmp, until, alone=False):
     return start, losses
 
 
+@pytest.fixture(scope="module")
+def saved_at_step_3(tmp_path_factory):
+    """(uninterrupted run, run stopped after its step-3 save, that run's folder) for a rank count: made once and
+    shared by the cases that save on the same ranks (each resumes a copy). `alone` changes only a world of one.
+    Only the stopped runs' folders stay (a 1B-wide checkpoint is gigabytes), until the module ends."""
+    made, folders = {}, []
+
+    def get(world, alone):
+        key = (world, alone and world == 1)
+        if key not in made:
+            tmp = tmp_path_factory.mktemp(f"saved_on_{world}{'_unsharded' if key[1] else ''}")
+            folders.append(tmp)
+            ref = run_ranks(_elastic, world, str(tmp / "ref"), None, key[1])[0]
+            shutil.rmtree(tmp / "ref")
+            first = run_ranks(_elastic, world, str(tmp / "run"), 3, key[1])[0]
+            made[key] = ref, first, tmp / "run"
+        return made[key]
+    yield get
+    for tmp in folders:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @pytest.mark.parametrize("saved, resumed, alone", [(2, 1, False), (2, 4, False), (2, 1, True), (1, 2, True)],
                          ids=["2-1", "2-4", "2-1_unsharded", "1_unsharded-2"])
-def test_an_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batches(saved, resumed, alone, tmp_path):
+def test_an_fp8_checkpoint_resumes_on_other_rank_counts_on_the_same_batches(saved, resumed, alone, saved_at_step_3,
+                                                                               tmp_path):
     """Saved at step 3 on `saved` ranks, resumed on `resumed`: the data position is global, so steps 4-6 see the
     batches of the uninterrupted run, and the losses track it as N ranks track 1 (TRACK, above). `alone`: the
     one-rank side trains without FSDP, as the presets do on one GPU, so the user's path from one GPU to many
     and back (plain FP8 tensors on one side, DTensor shards on the other) is covered."""
-    ref = run_ranks(_elastic, saved, str(tmp_path / "ref"), None, alone)[0]
-    first = run_ranks(_elastic, saved, str(tmp_path / "run"), 3, alone)[0]
+    ref, first, folder = saved_at_step_3(saved, alone)
+    shutil.copytree(folder, tmp_path / "run")
     second = run_ranks(_elastic, resumed, str(tmp_path / "run"), None, alone)[0]
     gaps = [abs(a - b) / a for a, b in zip(ref[1][3:], second[1])]
     print(f"{saved} -> {resumed} ranks{' (one without FSDP)' if alone else ''} after step 3: relative loss gaps "
