@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from cuda_timing import median_ms
+
 # (batch, sequence, query heads, key/value heads, head dim) of one step of each preset
 SHAPES = {"1B": (4, 8192, 32, 8, 64), "8B": (1, 8192, 32, 8, 128)}
 
@@ -70,19 +72,6 @@ KERNELS = {"te": te_attention, "te_flash": lambda h, hkv, d: te_attention(h, hkv
            "sdpa_cudnn": sdpa_cudnn, "flash4": flash4}
 
 
-def timed(fn, reps: int) -> float:
-    """Median milliseconds of fn() over `reps` calls, each between two CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def inputs(b: int, s: int, h: int, hkv: int, d: int):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -109,8 +98,8 @@ def measure(name: str, shape: tuple, reps: int) -> dict:
         attend(q, k, v).backward(grad)
 
     with torch.no_grad():
-        result["fwd_ms"] = timed(lambda: attend(q, k, v), reps)
-    result["step_ms"] = timed(step, reps)
+        result["fwd_ms"] = median_ms(lambda: attend(q, k, v), reps)
+    result["step_ms"] = median_ms(step, reps)
     flops = 4 * b * s * s * h * d / 2  # causal: half the scores (Megatron's count)
     result["fwd_tflops"] = flops / result["fwd_ms"] / 1e9
     result["bwd_tflops"] = 2.5 * flops / (result["step_ms"] - result["fwd_ms"]) / 1e9

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
+from cuda_timing import median_ms  # noqa: E402
 from titan_te.models.llama import FLAVORS  # noqa: E402
 
 
@@ -84,21 +84,6 @@ def build(name: str, params, kind: str, streams: int = 1):
                      triton=name != "fused_adam_2pass")
 
 
-def time_steps(opt, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        opt.step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        opt.step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flavor", default="1B")
@@ -143,7 +128,7 @@ def main() -> int:
                 floor = floor_bytes(params, kind) / (a.hbm_tbs * 1e12) * 1e3
                 try:
                     opt = build(name, params, kind, a.streams)
-                    ms = time_steps(opt, a.warmup, a.iters)
+                    ms = median_ms(opt.step, a.iters, warmup=a.warmup)
                 except RuntimeError as e:  # report, and go on with the other optimizers
                     print(f"{kind:<5} {ranks:>5} {n / 1e6:>9.1f} {name:<14} fails: {str(e).splitlines()[0][-110:]}")
                     opt = None

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cuda_timing import median_ms  # noqa: E402
 from titan_te.te import swiglu  # noqa: E402
 
 SHAPES = {"1B": (4 * 8192, 8192), "8B": (8192, 14336)}  # (tokens per step, FFN width) of the presets
@@ -29,20 +30,6 @@ def quantizer(scale: float):
 
     return Float8Quantizer(torch.full((1,), scale, device="cuda"), torch.zeros(1, device="cuda"),
                            tex.DType.kFloat8E5M2)
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median milliseconds of fn() over `reps` calls, each between two CUDA events."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def agreement(a, b) -> tuple[float, float]:
@@ -87,7 +74,7 @@ def main() -> int:
             q_fused.amax.zero_()
             same, worst = agreement(te_fn(), fused_fn())
             amax_gap = abs(q_te.amax.item() - q_fused.amax.item()) / q_te.amax.item()
-            t_te, t_fused = timed(te_fn), timed(fused_fn)
+            t_te, t_fused = median_ms(te_fn, 20, warmup=1), median_ms(fused_fn, 20, warmup=1)
             print(f"| {name} ({m} x {n}) | {rows}x{cols}, {warps} warps | {t_te:.3f} | {t_fused:.3f} | "
                   f"{t_te / t_fused:.2f}x | {moved / t_fused / 1e6:,.0f} | {same:.5f} | {worst:.2f} (amax gap "
                   f"{amax_gap:.1e}) |", flush=True)

@@ -27,12 +27,13 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 def grad_norm(parameters) -> torch.Tensor:
     """Total gradient norm over all ranks (DTensor grads are reduced across their mesh), as a device
     tensor (no host sync). Local bf16 / fp16 gradients (model.wgrad_dtype) have their norms taken in FP32."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    low = [g for g in grads if _local_low_precision(g)]
+    low, rest = [], []
+    for p in parameters:
+        if p.grad is not None:
+            (low if _local_low_precision(p.grad) else rest).append(p.grad)
     if not low:
-        return _total_norm(grads)
+        return _total_norm(rest)
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(low, 2.0, dtype=torch.float32)))
-    rest = [g for g in grads if not _local_low_precision(g)]
     return torch.hypot(total, _total_norm(rest).to(total.device)) if rest else total
 
 
