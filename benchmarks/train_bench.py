@@ -6,8 +6,9 @@
     python benchmarks/train_bench.py --runs 8b_fp8,8b_peer --ngpu 8 --json bench.json  # and on 8 GPUs
 
 Every run is a fresh process (its own CUDA context and memory peak) at the preset's shapes: vocabulary
-128,256, seq 8192, batch 4 (1B) or 1 (8B). The presets run through the Trainer and its real training
-loop (`Trainer.train`, data loader included, checkpoints and TensorBoard off); the peer is
+128,256, seq 8192, the presets' batch: 4 (1B), 2 (8B; the peer at 1 and, `8b_peer_b2`, at 2). The presets run
+through the Trainer and its real training loop (`Trainer.train`, data loader included, checkpoints and
+TensorBoard off); the peer is
 benchmarks/peer_llama.py on random tokens. After --warmup steps, --steps steps are timed between two
 device synchronizations, less the fixed work of a loop call that trains no step (the trainer's end of a
 loop: the finiteness check of weights and optimizer state that also precedes every save; the peer has
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PRESETS = {"1b": ("llama3_1b_fp8", "1B", 4), "8b": ("llama_fp8", "8B", 1)}  # preset, flavor, batch
+PRESETS = {"1b": ("llama3_1b_fp8", "1B", 4), "8b": ("llama_fp8", "8B", 1)}  # preset, flavor, the peer's batch
 VOCAB, SEQ = 128256, 8192  # the flavors' vocabulary (the byte tokenizer's ids lie within it)
 PEAK = 989e12
 
@@ -62,16 +63,17 @@ RUNS = {
     "1b_bf16": ("preset", "1b", ["--fp8.enable=false"]),
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
-    "8b_fp8": ("preset", "8b", []),
+    "8b_fp8": ("preset", "8b", []),  # two sequences a GPU, activation_checkpoint.mode = auto (one H200: mlp, every_n 4)
+    "8b_fp8_b1": ("preset", "8b", ["--training.local_batch_size=1", "--activation_checkpoint.mode=none"]),  # until 12-07
     "8b_fp8_before": ("before", "8b", []),
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
     # FP8 current scaling (what Megatron-Bridge publishes its 8B figure with) beside the presets' delayed
     "1b_fp8_current": ("preset", "1b", ["--fp8.recipe=current"]),
     "8b_fp8_current": ("preset", "8b", ["--fp8.recipe=current"]),
-    # batch 2 at 8B: larger GEMMs and half the optimizer steps per token; without recomputation the planner puts
-    # its peak at 140.9 GiB, over the H200's 140.4, so also with every 4th or 8th block recomputed to make room, or
-    # only their MLPs' norm, FC1 and SwiGLU (mode mlp: 131.3 and 136.2 GiB)
-    "8b_fp8_b2": ("preset", "8b", ["--training.local_batch_size=2"]),
+    # batch 2 at 8B (the preset's): larger GEMMs and half the optimizer steps per token; without recomputation the
+    # planner puts its peak at 140.9 GiB, over the H200's 140.4, so also with every 4th or 8th block recomputed to
+    # make room, or only their MLPs' norm, FC1 and SwiGLU (mode mlp: 131.3 and 136.2 GiB)
+    "8b_fp8_b2": ("preset", "8b", ["--training.local_batch_size=2", "--activation_checkpoint.mode=none"]),
     "8b_fp8_b2_every4": ("preset", "8b", _batch2_recomputing_every(4)),
     "8b_fp8_b2_every8": ("preset", "8b", _batch2_recomputing_every(8)),
     "8b_fp8_b2_mlp4": ("preset", "8b", _batch2_recomputing_every(4, "mlp")),
@@ -89,18 +91,21 @@ RUNS = {
     # 8B's batch-2 peak (planner: 139.9 GiB without recomputation, tight; 135.2 with every 8th MLP recomputed)
     "1b_fp8_bf16_wgrad": ("preset", "1b", [BF16_WGRAD]),
     "8b_fp8_bf16_wgrad": ("preset", "8b", [BF16_WGRAD]),
-    "8b_fp8_b2_bf16_wgrad": ("preset", "8b", ["--training.local_batch_size=2", BF16_WGRAD]),
+    "8b_fp8_b2_bf16_wgrad": ("preset", "8b", ["--training.local_batch_size=2", "--activation_checkpoint.mode=none",
+                                               BF16_WGRAD]),
     "8b_fp8_b2_mlp4_bf16_wgrad": ("preset", "8b", _batch2_recomputing_every(4, "mlp") + [BF16_WGRAD]),
     "8b_fp8_b2_mlp8_bf16_wgrad": ("preset", "8b", _batch2_recomputing_every(8, "mlp") + [BF16_WGRAD]),
     "8b_peer": ("peer", "8b", {"float8": True, "bf16_state": True}),
+    "8b_peer_b2": ("peer", "8b", {"float8": True, "bf16_state": True, "batch": 2}),  # the 8B preset's batch
     # gradient accumulation (training.global_batch_size): 4 sequences per optimizer step, one at a time, as
     # Megatron's published 8B runs take several micro-batches a step; beside the peer accumulating as many. Every
     # FP32 gradient is then held through the later micro-batches: the whole 8B plans 138.3 GiB on an H200 (tight),
     # so run them with --n_layers 16 on one GPU (README: Planning many GPUs)
-    "8b_fp8_ga4": ("preset", "8b", ["--training.global_batch_size=4"]),
+    "8b_fp8_ga4": ("preset", "8b", ["--training.global_batch_size=4", "--training.local_batch_size=1",
+                                    "--activation_checkpoint.mode=none"]),
     "8b_peer_ga4": ("peer", "8b", {"float8": True, "bf16_state": True, "accum": 4}),
 }
-DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer"
+DEFAULT_RUNS = "1b_fp8,1b_fp8_fsdp,1b_peer,8b_fp8,8b_fp8_fsdp,8b_peer,8b_peer_b2"
 # kernel-name fragments per category, first match wins (attention before GEMM: fused attention kernels
 # carry GEMM-like names)
 CATEGORIES = [
@@ -369,7 +374,7 @@ def child_peer(a, opts: dict) -> dict:
     from titan_te.models.llama import FLAVORS, resolve_args
 
     _, flavor, batch = PRESETS[a.size]
-    accum = opts.get("accum", 1)
+    batch, accum = opts.get("batch", batch), opts.get("accum", 1)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -111,3 +111,16 @@ def traced(cmd: list[str], trace: Path, **run_kw) -> tuple[subprocess.CompletedP
     r = subprocess.run([STRACE, "-f", "--seccomp-bpf", "-qq", "-y", "-s", "4096", "-o", str(trace), "-e",
                         f"trace={FILE_CALLS}", *cmd], capture_output=True, text=True, **run_kw)
     return r, trace.read_text().splitlines() if trace.exists() else []
+
+
+def planned_recomputation(cfg, world: int, ranks_per_gpu: int = 1):
+    """What activation_checkpoint.mode = auto chooses for `cfg` on this process's GPU (a rank's share of it), by
+    the planner: the test's side of the trainer's choice."""
+    import torch
+
+    from titan_te.data import TOKENIZERS
+    from titan_te.plan import gpu_of, lightest_recomputation
+
+    props = torch.cuda.get_device_properties(0)
+    card = gpu_of(props.total_memory // ranks_per_gpu, (props.major, props.minor))
+    return lightest_recomputation(cfg, world, card, TOKENIZERS.get(cfg.data.tokenizer)(cfg.data).vocab_size, True)[0]

@@ -99,6 +99,10 @@ def test_every_benchmark_row_is_a_config_the_trainer_accepts():
     cfg, _ = config_mod.load(["--config", "llama_fp8", *train_bench.RUNS["8b_fp8_b2_every8"][2]], hardware=False)
     assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.every_n) == (
         2, "every_n", 8)
+    preset_8b = config_mod.load(["--config", "llama_fp8"], hardware=False)[0]
+    assert (preset_8b.training.local_batch_size, preset_8b.activation_checkpoint.mode) == (2, "auto")
+    cfg, _ = config_mod.load(["--config", "llama_fp8", *train_bench.RUNS["8b_fp8_b1"][2]], hardware=False)
+    assert (cfg.training.local_batch_size, cfg.activation_checkpoint.mode) == (1, "none")  # the preset until 12-07
 
 
 def test_loss_bench_reads_each_runs_curve_back_and_prints_the_gaps(tmp_path):
@@ -228,3 +232,9 @@ def test_a_run_is_compared_with_the_peer_taking_as_many_tokens_per_optimizer_ste
             if line.startswith("| 8b_") and "%" in line}
     assert rows == {"8b_fp8_ga4": "1.250x |", "8b_fp8_b2_mlp4": "1.382x |", "8b_peer": "1.000x |",
                     "8b_peer_ga4": "1.000x |"}
+    # the 8B preset takes two sequences: beside the peer at two (8b_peer_b2) where that ran
+    results = {"8b_fp8": result(15_000, 2 * 8192), "8b_fp8_b1": result(14_500, 8192),
+               "8b_peer": result(11_000, 8192), "8b_peer_b2": result(12_000, 2 * 8192)}
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in train_bench.tables(results).splitlines()
+            if line.startswith("| 8b_") and "%" in line}
+    assert rows == {"8b_fp8": "1.250x |", "8b_fp8_b1": "1.318x |", "8b_peer": "1.000x |", "8b_peer_b2": "1.000x |"}

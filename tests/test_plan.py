@@ -15,10 +15,15 @@ MEASURED_PEAK_GIB = {"llama3_1b_fp8": 51.5, "llama_fp8": 110.5}
 MEASURED_1B_CHECKPOINT_GB = 13.0  # one save of the 1B preset on the H200 (README, checkpoints)
 
 
+# the 8B preset as it was measured (batch 1, nothing recomputed); it now takes two sequences with mode auto
+MEASURED_8B = {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"}
+
+
 def _plan(preset: str, ngpu: int = 1, gpu: str = "H200", **overrides):
     from titan_te import config as config_mod
     from titan_te.plan import make_plan
 
+    overrides = {**MEASURED_8B, **overrides} if preset == "llama_fp8" else overrides
     argv = [f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()]
     old = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(ngpu)
@@ -115,14 +120,16 @@ def test_a_peak_within_the_allocators_slack_of_the_card_is_tight_not_fits():
     """8B batch 2 with every 8th block recomputed: planned 134.7 GiB of the H200's 140.4, it allocated 134.1 GiB in
     step 2 and ran out of memory in step 3 with 138.0 GiB held (H200, 2026-12-07): the allocator's free memory was
     in pieces. Every 4th block's MLP recomputed, planned 131.3, ran at 131.5. The planner calls a plan within 5% of
-    the card tight, not fits, and names a mode with room as the lightest that fits."""
+    the card tight, not fits, and names the lightest recomputation with room (of every mode and every_n) as the one
+    that fits."""
     plan = _plan("llama_fp8", **{"training.local_batch_size": 2, "activation_checkpoint.every_n": 8})
     assert plan.peak["every_n"] / GiB == pytest.approx(134.7, abs=0.05) and plan.peak["every_n"] < 140.4 * GiB
     assert not plan.fits["every_n"] and not plan.fits["mlp"] and plan.fits["full"]
     rows = dict(plan.rows)
     assert rows["peak / rank, AC every_n"].startswith("134.7 GiB of 140.4 GiB on a H200: tight (within 5% of the card")
     assert rows["peak / rank, AC none"].endswith("does NOT fit") and rows["peak / rank, AC full"].endswith(": fits")
-    assert rows["activation checkpointing"].endswith("the lightest that fits: full")
+    assert rows["activation checkpointing"] == ("none (configured); the lightest that fits: mlp, every_n = 4: the MLP "
+                                                "of one block in 4 recomputed")
 
 
 def test_gradient_accumulation_holds_every_gradient_through_the_later_micro_batches():
@@ -180,7 +187,8 @@ def test_a_measured_breakdown_sets_the_compute_time(tmp_path, capsys):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"8b_fp8": {"step_s": 0.573, "tokens": 8192, "gpus": 1,
                                             "parts": {"optimizer": 53.2}}}))
-    assert main(["--config", "llama_fp8", "--ngpu", "8", "--breakdown", str(bench)]) == 0
+    assert main(["--config", "llama_fp8", "--ngpu", "8", "--breakdown", str(bench),
+                 *[f"--{k}={v}" for k, v in MEASURED_8B.items()]]) == 0
     out = capsys.readouterr().out
     # 519.8 ms of the step scale with the rank's tokens (the same batch), the optimizer's 53 ms with 1/8 shard
     assert "compute / step                526 ms (measured breakdown)" in out, out
@@ -227,3 +235,66 @@ def test_the_planners_all_gather_bytes_are_what_fsdp_gathered_on_the_h200():
                                              "training.local_batch_size": 1, "activation_checkpoint.mode": "full"})
     # recomputed blocks with FP8 weights keep their gathered weights: the backward regathers only the embedding
     assert full.gather_bytes < plan.gather_bytes
+
+
+def _lightest(preset: str, world: int = 1, gpu: str = "H200", recomputes_mlp: bool = True, **overrides):
+    from titan_te import config as config_mod
+    from titan_te.plan import GPUS, lightest_recomputation
+
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        cfg, _ = config_mod.load([f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()], hardware=False)
+    finally:
+        os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
+    return lightest_recomputation(cfg, world, GPUS[gpu], 258, recomputes_mlp)
+
+
+def test_mode_auto_takes_the_lightest_recomputation_that_fits_the_card():
+    """The 8B preset (batch 2) on one H200: nothing recomputed would need 140.9 GiB, over the card; the MLP of one
+    block in 4 plans 131.3 GiB (measured 131.5 on an H200, 15,179 tokens/s) and recomputes the least of what fits;
+    without TE's MLP recomputation (torch blocks) one whole block in 4; at batch 1 or on 8 GPUs nothing; on one
+    H100 nothing fits, and auto takes full, saying so."""
+    choice, none_peak = _lightest("llama_fp8")
+    assert (choice.mode, choice.every_n, choice.fits) == ("mlp", 4, True)
+    assert choice.peak / GiB == pytest.approx(131.3, abs=0.05) and none_peak / GiB == pytest.approx(140.9, abs=0.05)
+    assert choice.describe() == "mlp, every_n = 4: the MLP of one block in 4 recomputed"
+    blocks, _ = _lightest("llama_fp8", recomputes_mlp=False)
+    assert (blocks.mode, blocks.every_n, blocks.fits) == ("every_n", 4, True) and blocks.share == 8 / 32
+    assert blocks.peak / GiB == pytest.approx(127.5, abs=0.05)
+    assert _lightest("llama_fp8", **{"training.local_batch_size": 1})[0].mode == "none"
+    assert _lightest("llama_fp8", world=8)[0].describe() == "none: nothing recomputed"
+    h100, _ = _lightest("llama_fp8", gpu="H100")
+    assert (h100.mode, h100.fits) == ("full", False)
+    two_h100, _ = _lightest("llama_fp8", world=2, gpu="H100")
+    assert (two_h100.mode, two_h100.every_n, two_h100.fits) == ("mlp", 1, True)
+
+
+def test_the_planner_prints_what_mode_auto_chooses_and_plans_for_it(capsys):
+    from titan_te.plan import main
+
+    assert main(["--config", "llama_fp8", "--ngpu", "1"]) == 0  # the preset's mode is auto
+    rows = capsys.readouterr().out
+    assert ("activation checkpointing      auto (configured) chooses mlp, every_n = 4: the MLP of one block in 4 "
+            "recomputed\n") in rows
+    assert "peak / rank, AC mlp           131.3 GiB of 140.4 GiB on a H200: fits" in rows
+    assert main(["--config", "llama_fp8", "--ngpu", "1", "--gpu", "H100"]) == 0
+    assert "auto (configured) chooses full: every block recomputed (nothing fits)" in capsys.readouterr().out
+
+
+def test_mode_auto_on_the_cpu_recomputes_nothing_and_the_run_folder_records_it(tmp_path, caplog):
+    """A CPU run has no card to plan for: none, one line, and the resolved config.toml says none (a rerun of the
+    same command resolves auto again)."""
+    import logging
+    import tomllib
+
+    from titan_te.trainer import Trainer
+
+    caplog.set_level(logging.INFO, logger="titan_te")
+    cfg = make_cfg(tmp_path, training={"steps": 2}, activation_checkpoint={"mode": "auto", "every_n": 3})
+    with Trainer(cfg) as tr:
+        tr.train()
+        assert all(not hasattr(b, "_checkpoint_wrapped_module") for b in tr.model.layers.values())
+    assert "activation_checkpoint.mode = auto: none (nothing recomputed on a CPU)" in caplog.text
+    resolved = tomllib.loads((tmp_path / "t/config.toml").read_text())["activation_checkpoint"]
+    assert resolved["mode"] == "none"

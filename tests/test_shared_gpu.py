@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from helpers import make_cfg, run_ranks
+from helpers import make_cfg, planned_recomputation, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -413,3 +413,39 @@ def test_more_ranks_than_gpus_without_the_sharing_mode_is_one_line(tmp_path):
     r = subprocess.run(_args(tmp_path, 2), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
     assert r.stderr.startswith(f"config error: NGPU=2, but this node has {torch.cuda.device_count()} visible GPU")
+
+
+# --- activation_checkpoint.mode = auto on ranks sharing the GPU ------------------------------------------------
+AUTO = {"model": {"n_layers": 4}, "training": {"steps": 2, "seq_len": 2048}, "activation_checkpoint": {"mode": "auto"}}
+
+
+def _auto(rank, world, tmp, batch):
+    tr = _trainer(tmp, world, **{**AUTO, "training": {**AUTO["training"], "local_batch_size": batch}})
+    ac = tr.cfg.activation_checkpoint
+    wrapped = sorted(int(k) for k, b in tr.model.layers.items() if b.recomputes_forward)
+    losses = tr.train()
+    tr.close()
+    return ac.mode, ac.every_n, wrapped, losses
+
+
+def test_mode_auto_takes_the_planners_choice_for_each_ranks_share_of_the_gpu(tmp_path):
+    """2 ranks on one GPU, FSDP over FP8 weights: each rank plans for half the card, and both take the planner's
+    choice for that share (the ranks must choose alike: FSDP's gathers follow the recomputed blocks) at the
+    smallest batch for which it recomputes something, and train."""
+    from titan_te.parallel.wrappers import recomputed
+
+    def plan(batch):
+        cfg = make_cfg(tmp_path / "plan", world=2,
+                       **_sections(**{**AUTO, "training": {**AUTO["training"], "local_batch_size": batch}}))
+        return planned_recomputation(cfg, 2, ranks_per_gpu=2)
+
+    batch = next(b for b in range(8, 257, 8) if plan(b).mode != "none")
+    choice = plan(batch)
+    ranks = run_ranks(_auto, 2, str(tmp_path / "run"), batch)
+    print(f"mode auto on 2 ranks sharing the GPU, batch {batch}: planner {choice.describe()} "
+          f"({choice.peak / 2**30:.1f} GiB a rank); ranks chose " + ", ".join(f"{m} every_n {n}" for m, n, *_ in ranks))
+    assert choice.fits
+    chosen = [i for i in range(4) if recomputed(i, choice.mode, choice.every_n)]
+    for mode, every_n, wrapped, losses in ranks:
+        assert (mode, every_n, wrapped) == (choice.mode, choice.every_n, chosen)
+        assert len(losses) == 2 and all(x == x and x < 20 for x in losses)

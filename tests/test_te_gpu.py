@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import make_cfg, run_ranks
+from helpers import make_cfg, planned_recomputation, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -59,15 +59,19 @@ def test_te_document_mask_matches_torch_and_trains(tmp_path):
     assert losses[-1] < 0.7 * losses[0]
 
 
-def _train(rank, world, tmp, overrides):
-    from titan_te.trainer import Trainer
-
+def _cfg(tmp, world, overrides):
     sections = {"training": {"steps": 30, "local_batch_size": 4, "seq_len": 128},
                 "model": {"backend": "te"}, "metrics": {"log_freq": 10, "enable_tensorboard": False}}
     for key, value in overrides.items():
         sec, k = key.split(".")
         sections.setdefault(sec, {})[k] = value
-    tr = Trainer(make_cfg(tmp, world=world, **sections))
+    return make_cfg(tmp, world=world, **sections)
+
+
+def _train(rank, world, tmp, overrides):
+    from titan_te.trainer import Trainer
+
+    tr = Trainer(_cfg(tmp, world, overrides))
     losses = tr.train()
     tr.close()
     return losses
@@ -176,6 +180,50 @@ def test_recomputing_the_mlp_gives_the_plain_runs_losses_in_less_memory(tmp_path
           f"{mlp_peak / 2**30:.2f} GiB (freed {freed / 2**30:.2f}, planner {planned / 2**30:.2f})")
     assert len(mlp) == 10 and max(gaps) < 1e-3
     assert freed == pytest.approx(planned, rel=0.25)
+
+
+def _auto_run(rank, world, tmp, overrides):
+    """The trainer's resolved choice, the blocks it made recompute (whole, or their MLP), losses and peak."""
+    from titan_te.trainer import Trainer
+
+    torch.cuda.reset_peak_memory_stats()
+    tr = Trainer(_cfg(tmp, world, overrides))
+    ac = tr.cfg.activation_checkpoint
+    wrapped = {"block": sorted(int(k) for k, b in tr.model.layers.items() if b.checkpointed),
+               "mlp": sorted(int(k) for k, b in tr.model.layers.items() if b.layernorm_mlp.checkpoint)}
+    losses = tr.train()
+    tr.close()
+    return ac.mode, ac.every_n, wrapped, losses, torch.cuda.max_memory_allocated()
+
+
+def test_mode_auto_chooses_on_the_gpu_what_the_planner_chooses_for_that_card(tmp_path):
+    """activation_checkpoint.mode = auto on the presets' one-GPU path, 1B-wide blocks (4 of them, seq 2048): at
+    batch 8 nothing is recomputed; at the smallest batch for which the planner must recompute on this card to fit,
+    the trainer takes the planner's choice, makes exactly those blocks recompute, and trains within the card."""
+    from titan_te.parallel.wrappers import recomputed
+    from titan_te.plan import GiB
+
+    run = {"fp8.enable": True, "fp8.recipe": "delayed", "fp8.fused_swiglu": True, **PRESET_FP8,
+           "parallelism.unsharded_one_rank": True, "training.steps": 3, "training.seq_len": 2048,
+           "model.flavor": "1B", "model.n_layers": 4, "activation_checkpoint.mode": "auto"}
+
+    def plan(batch):
+        return planned_recomputation(_cfg(tmp_path / "plan", 1, {**run, "training.local_batch_size": batch}), 1)
+
+    batch = next(b for b in range(16, 513, 16) if plan(b).mode != "none")
+    choice = plan(batch)
+    small = run_ranks(_auto_run, 1, str(tmp_path / "small"), {**run, "training.local_batch_size": 8})[0]
+    mode, every_n, wrapped, losses, peak = run_ranks(_auto_run, 1, str(tmp_path / "big"),
+                                                     {**run, "training.local_batch_size": batch})[0]
+    card = torch.cuda.get_device_properties(0).total_memory
+    print(f"mode auto: batch 8 -> {small[0]}; batch {batch} -> {mode}, every_n {every_n} (planner: "
+          f"{choice.describe()}, {choice.peak / GiB:.1f} GiB planned; measured peak {peak / GiB:.1f} GiB of "
+          f"{card / GiB:.1f}); losses {' '.join(f'{x:.3f}' for x in losses)}")
+    assert small[:3] == ("none", 1, {"block": [], "mlp": []})
+    assert choice.fits and (mode, every_n) == (choice.mode, choice.every_n)
+    chosen = [i for i in range(4) if recomputed(i, mode, every_n)]
+    assert wrapped == {"block": chosen if mode in ("every_n", "full") else [], "mlp": chosen if mode == "mlp" else []}
+    assert len(losses) == 3 and all(x == x and x < 20 for x in losses) and peak < card
 
 
 def test_a_calibration_pass_keeps_the_first_fp8_steps_near_bf16(tmp_path):

@@ -135,13 +135,13 @@ class _Model:
     def n_other(self) -> int:
         return sum(p.numel() for n, p in self.params.items() if n not in self.fp8)
 
-    def keeps_gathered(self, unit: list, acfg, mode: str) -> bool:
-        """A unit of blocks with FP8 weights that activation checkpointing (`mode`) recomputes (parallel/
-        wrappers.py's choice): FSDP keeps its gathered weights from its forward to its backward
+    def keeps_gathered(self, unit: list, mode: str, every_n: int) -> bool:
+        """A unit of blocks with FP8 weights that activation checkpointing (`mode`, `every_n`) recomputes
+        (parallel/wrappers.py's choice): FSDP keeps its gathered weights from its forward to its backward
         (FP8Policy.keeps_gathered)."""
         from titan_te.parallel.wrappers import recomputed
 
-        return all(id(m) in self.blocks and recomputed(self.blocks[id(m)], mode, acfg.every_n)
+        return all(id(m) in self.blocks and recomputed(self.blocks[id(m)], mode, every_n)
                    and any(self.names[id(p)] in self.fp8 for p in m.parameters()) for m in unit)
 
 
@@ -181,10 +181,10 @@ def _n_recomputed(n_layers: int, every_n: int) -> int:
     return sum(recomputed(i, "every_n", every_n) for i in range(n_layers))
 
 
-def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) -> tuple[dict, float]:
-    """Bytes of activations at the step's peak per activation-checkpoint mode (what the blocks keep to the head,
-    plus what a recomputing block holds again beyond the head's logits), and the output head's bytes."""
-    args, every_n = m.args, cfg.activation_checkpoint.every_n
+def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool, every_n: int) -> tuple[dict, float]:
+    """Bytes of activations at the step's peak per activation-checkpoint mode with `every_n` (what the blocks keep
+    to the head, plus what a recomputing block holds again beyond the head's logits), and the output head's bytes."""
+    args = m.args
     per_layer = activation_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
     layer_input = 2 * args.dim * tokens
     mlp_part = mlp_recomputed_bytes_per_token_layer(args, cfg.fp8.enable, fp8_transposes) * tokens
@@ -206,8 +206,40 @@ def _activations(cfg, m: _Model, vocab: int, tokens: int, fp8_transposes: bool) 
     return {mode: kept[mode] + max(0.0, held[mode] - logits) for mode in AC_MODES}, head
 
 
-def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
-              breakdown: dict | None = None) -> Plan:
+@dataclass
+class _RankMemory:
+    """One rank's memory apart from activation checkpointing's choice, and its peak for any choice."""
+    m: _Model
+    card: GPU
+    gathers: bool  # FSDP moves weights and gradients between the shards
+    weights: float
+    grads: float
+    state: float
+    state_full: float  # unsharded: what a checkpoint holds
+    transient: float  # FSDP's gathered units in flight
+    held_grads: float  # gradients held at the start of the backward
+    grad_accum: int  # micro-batches a step
+    head: float
+    activations: object  # every_n -> bytes per mode (_activations)
+
+    def kept_gathered(self, mode: str, every_n: int) -> float:
+        """Blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies."""
+        return 0 if not self.gathers else sum(
+            b for u, b in zip(self.m.units, self.m.unit_bytes) if self.m.keeps_gathered(u, mode, every_n))
+
+    def peak(self, mode: str, every_n: int) -> float:
+        """At the start of the backward (every activation, the head's buffers, the gradients held then, the kept
+        gathered blocks) or in the optimizer step (every gradient, no activation): in one micro-batch gradients
+        replace activations block by block as the backward goes."""
+        acts = self.activations(every_n)[mode]
+        return self.weights + self.state + self.transient + WORKSPACE + max(
+            acts + self.head + self.held_grads + self.kept_gathered(mode, every_n), self.grads)
+
+    def fits(self, peak: float) -> bool:
+        return peak <= self.card.memory * (1 - ALLOCATOR_SLACK)
+
+
+def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemory:
     import torch
 
     from titan_te import config as config_mod
@@ -215,57 +247,140 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     from titan_te.parallel import select
     from titan_te.train_utils import global_batch_plan
 
-    world = ngpu * nnodes
     rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
     parallel = select(cfg.parallelism, world)
     div = shard if parallel.shards_params else 1
-    gathers = parallel.shards_params and div > 1  # FSDP moves weights and gradients between the shards
-    m = _build_model(cfg, vocab)
+    gathers = parallel.shards_params and div > 1
     n_fp8, n_other = m.n_fp8, m.n_other
     opt = OPTIMIZERS.get(cfg.optimizer.name)
     state_full = n_fp8 * opt.state_bytes(cfg.optimizer, True) + n_other * opt.state_bytes(cfg.optimizer, False)
     # weights used in place (no FSDP gathers) keep TE's transposed FP8 copy on GPUs that need one; FSDP's
     # gathered copies are counted in `transient` (not measured for its shards)
-    card = GPUS[gpu]
     transposes = n_fp8 if card.fp8_transpose and not gathers else 0
     weights = (n_fp8 * 1 + n_other * 4) / div + transposes
     # TE writes the block matrices' gradients in place in model.wgrad_dtype where nothing reduces them
     in_place = cfg.model.fuse_wgrad_accumulation and parallel.local_grads
     wgrad = getattr(torch, cfg.model.wgrad_dtype).itemsize if in_place else 4
-    grads, state = ((n_fp8 + n_other - m.n_block_matrices) * 4 + m.n_block_matrices * wgrad) / div, state_full / div
+    grads = ((n_fp8 + n_other - m.n_block_matrices) * 4 + m.n_block_matrices * wgrad) / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
     # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
     transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
-    t, acfg = cfg.training, cfg.activation_checkpoint
+    t = cfg.training
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
-    acts, head = _activations(cfg, m, vocab, tokens, card.fp8_transpose)
-    plan = Plan()
-    memory, peak_flops = card.memory, card.peak_flops
+    head = _activations(cfg, m, vocab, tokens, card.fp8_transpose, 1)[1]
     block_grads = max(m.unit_grads) * wgrad / 2 / div if m.unit_grads else 0  # FP32 (or wgrad's), sharded
     grad_accum = global_batch_plan(t, rep * shard, None)[0]  # as the trainer derives it
     # at the start of the backward the first unit's gradients are new; from a step's second micro-batch on, the
     # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,
     # beside the unit's own waiting for its reduce-scatter)
     held_grads = (grads + (block_grads if gathers else 0)) if grad_accum > 1 else block_grads
+    return _RankMemory(m, card, gathers, weights, grads, state_full / div, state_full, transient, held_grads, grad_accum, head,
+                       lambda every_n: _activations(cfg, m, vocab, tokens, card.fp8_transpose, every_n)[0])
+
+
+def recomputed_share(args, mode: str, every_n: int) -> float:
+    """The share of the forward's linear-layer FLOPs that activation checkpointing runs again."""
+    every = _n_recomputed(args.n_layers, every_n) / args.n_layers
+    return {"none": 0.0, "full": 1.0, "every_n": every, "mlp": _mlp_forward_share(args) * every}[mode]
+
+
+@dataclass(frozen=True)
+class Recomputation:
+    """One activation-checkpointing choice with its planned peak per rank."""
+    mode: str
+    every_n: int
+    peak: float
+    fits: bool
+    share: float  # of the forward, run again
+
+    def describe(self) -> str:
+        n = self.every_n
+        what = {"none": "nothing recomputed", "full": "every block recomputed",
+                "every_n": f"one block in {n} recomputed",
+                "mlp": "every block's MLP recomputed" if n == 1 else f"the MLP of one block in {n} recomputed"}
+        return f"{self.mode}{f', every_n = {n}' if self.mode in ('every_n', 'mlp') else ''}: {what[self.mode]}"
+
+
+def _candidates(recomputes_mlp: bool) -> list[tuple[str, int]]:
+    """What mode auto chooses from: nothing, the MLPs of one block in 8/4/2/1 (backends whose blocks recompute
+    their MLP apart), one whole block in 8/4/2, every block."""
+    mlp = [("mlp", n) for n in (8, 4, 2, 1)] if recomputes_mlp else []
+    return [("none", 1), *mlp, *[("every_n", n) for n in (8, 4, 2)], ("full", 1)]
+
+
+def _lightest(mem: _RankMemory, recomputes_mlp: bool) -> Recomputation:
+    """Of the candidates whose planned peak fits the card (less the allocator's slack), the one that recomputes the
+    least of the forward; full where none fits (its `fits` then says so)."""
+    options = [Recomputation(mode, n, peak, mem.fits(peak), recomputed_share(mem.m.args, mode, n))
+               for mode, n in _candidates(recomputes_mlp) for peak in [mem.peak(mode, n)]]
+    fitting = [o for o in options if o.fits]
+    return min(fitting, key=lambda o: o.share) if fitting else options[-1]
+
+
+def lightest_recomputation(cfg, world: int, card: GPU, vocab: int, recomputes_mlp: bool) -> tuple[Recomputation, float]:
+    """activation_checkpoint.mode = auto: the lightest recomputation that fits `card` on each of `world` ranks, and
+    the peak without any."""
+    mem = _rank_memory(cfg, _build_model(cfg, vocab), world, card, vocab)
+    return _lightest(mem, recomputes_mlp), mem.peak("none", 1)
+
+
+def gpu_of(memory: int, capability: tuple[int, int]) -> GPU:
+    """The card a run is on, for the memory plan: its memory (a rank's share of it) and whether its FP8 GEMMs need
+    TE's transposed copies (before Blackwell, compute capability 10)."""
+    return GPU(memory, 989e12, fp8_transpose=capability[0] < 10)
+
+
+def _plans_mlp(cfg) -> bool:
+    """Whether the planned run's blocks can recompute their MLP apart: its backend's (auto: te where the family has
+    te blocks, as on a GPU with Transformer Engine)."""
+    from titan_te.layers import BACKENDS
+    from titan_te.models import MODELS
+
+    backends = MODELS.get(cfg.model.name).backends or ("te",)
+    backend = cfg.model.backend if cfg.model.backend != "auto" else ("te" if "te" in backends else "torch")
+    return BACKENDS.get(backend).recomputes_mlp
+
+
+def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float = NVLINK_GBS, ib: float = IB_GBS,
+              breakdown: dict | None = None) -> Plan:
+    from dataclasses import replace
+
+    from titan_te import config as config_mod
+    from titan_te.parallel import select
+
+    world = ngpu * nnodes
+    rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
+    parallel = select(cfg.parallelism, world)
+    div = shard if parallel.shards_params else 1
+    gathers = parallel.shards_params and div > 1
+    m = _build_model(cfg, vocab)
+    n_fp8, n_other = m.n_fp8, m.n_other
+    card = GPUS[gpu]
+    mem = _rank_memory(cfg, m, world, card, vocab)
+    weights, grads, state, transient, head = mem.weights, mem.grads, mem.state, mem.transient, mem.head
+    transposes = n_fp8 if card.fp8_transpose and not gathers else 0
+    t, acfg = cfg.training, cfg.activation_checkpoint
+    tokens = t.local_batch_size * t.seq_len  # one micro-batch
+    lightest = _lightest(mem, _plans_mlp(cfg))
+    configured = acfg.mode
+    if acfg.mode == "auto":  # the rest of the plan is for what auto chooses on this card
+        acfg = replace(acfg, mode=lightest.mode, every_n=lightest.every_n)
+    acts = mem.activations(acfg.every_n)
+    plan = Plan()
+    memory, peak_flops = card.memory, card.peak_flops
     for mode in AC_MODES:
-        # blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies
-        plan.kept_gathered[mode] = 0 if not gathers else sum(
-            b for u, b in zip(m.units, m.unit_bytes) if m.keeps_gathered(u, acfg, mode))
-        # the peak is at the start of the backward (every activation, the head's buffers, the gradients held
-        # then, the kept gathered blocks) or in the optimizer step (every gradient, no activation): in one
-        # micro-batch gradients replace activations block by block as the backward goes
-        plan.peak[mode] = weights + state + transient + WORKSPACE + max(
-            acts[mode] + head + held_grads + plan.kept_gathered[mode], grads)
-        plan.fits[mode] = plan.peak[mode] <= memory * (1 - ALLOCATOR_SLACK)
+        plan.kept_gathered[mode] = mem.kept_gathered(mode, acfg.every_n)
+        plan.peak[mode] = mem.peak(mode, acfg.every_n)
+        plan.fits[mode] = mem.fits(plan.peak[mode])
     # checkpoint: weights as stored (FP8 1 byte, others FP32) + optimizer state (what DCP writes)
-    plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + state_full
+    plan.checkpoint_bytes = (n_fp8 * 1 + n_other * 4) + mem.state_full
     # communication per rank per step: FSDP gathers every unit in the forward, and in the backward again each
     # unit that resharded after its forward (reshard_after_forward: all but the last, which the backward needs
     # first, and but a recomputed block with FP8 weights, which keeps its gathered weights); it reduce-scatters
     # FP32 gradients once; (shard-1)/shard of each travels
     regathered = sum(b for i, (u, b) in enumerate(zip(m.units, m.unit_bytes))
                      if cfg.parallelism.reshard_after_forward and i < len(m.units) - 1
-                     and not m.keeps_gathered(u, acfg, acfg.mode))
+                     and not m.keeps_gathered(u, acfg.mode, acfg.every_n))
     if gathers:
         plan.gather_bytes = (n_fp8 * 1 + n_other * 2 + regathered) * (div - 1) / div
         plan.scatter_bytes = (n_fp8 + n_other) * 4 * (div - 1) / div
@@ -276,10 +391,9 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     shard_link = nvlink if div <= ngpu else ib  # the shard group within one node: NVLink, else InfiniBand
     comm_s = (plan.gather_bytes + plan.scatter_bytes) / (shard_link * 1e9)
     comm_s += replicate_bytes / ((ib if nnodes > 1 else nvlink) * 1e9)
-    step_tokens = tokens * grad_accum
+    step_tokens = tokens * mem.grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
-    every = _n_recomputed(m.args.n_layers, acfg.every_n) / m.args.n_layers
-    recomputed = {"none": 0.0, "full": 1.0, "every_n": every, "mlp": _mlp_forward_share(m.args) * every}[acfg.mode]
+    recomputed = recomputed_share(m.args, acfg.mode, acfg.every_n)
     compute_s = _compute_s(breakdown, step_tokens, m.args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)
     exposed = max(m.unit_bytes) / (shard_link * 1e9) if gathers else 0.0
     plan.step_s = {"no overlap": compute_s + comm_s, "overlap": max(compute_s, comm_s) + exposed}
@@ -302,8 +416,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
           if plan.kept_gathered[mode]],
         *[(f"peak / rank, AC {mode}", f"{_gib(plan.peak[mode])} of {_gib(memory)} on a {gpu}: "
                                       f"{_verdict(plan, mode, memory)}") for mode in AC_MODES],
-        ("activation checkpointing", f"{acfg.mode} (configured); the lightest that fits: "
-                                     f"{next((mode for mode in AC_MODES if plan.fits[mode]), 'none of them')}"),
+        ("activation checkpointing", _ac_row(configured, lightest)),
         ("one checkpoint", f"{plan.checkpoint_bytes / 1e9:,.1f} GB ({plan.checkpoint_bytes / world / 1e9:,.2f} GB "
                            f"per rank)"),
         ("all-gather / rank / step", f"{plan.gather_bytes / 1e9:,.2f} GB"),
@@ -316,6 +429,12 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
           for k, v in plan.step_s.items()],
     ]
     return plan
+
+
+def _ac_row(configured: str, lightest: Recomputation) -> str:
+    if configured == "auto":  # the plan's other rows are for this choice
+        return f"auto (configured) chooses {lightest.describe()}{'' if lightest.fits else ' (nothing fits)'}"
+    return f"{configured} (configured); the lightest that fits: {lightest.describe() if lightest.fits else 'none'}"
 
 
 def _verdict(plan: Plan, mode: str, memory: float) -> str:

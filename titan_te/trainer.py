@@ -39,6 +39,7 @@ from titan_te.models import MODELS
 from titan_te.optim import OPTIMIZERS
 from titan_te.optim.lr_schedule import build_lr_scheduler
 from titan_te.parallel import PARALLELISMS, select as parallel_select
+from titan_te.parallel.auto_checkpoint import resolve as resolve_auto_checkpoint
 from titan_te.parallel.data_parallel import mixed_precision
 from titan_te.parallel.dims import ParallelDims
 from titan_te.parallel.dist import SHARE_GPU, init_distributed, on_rank0, shared_gpu
@@ -232,7 +233,7 @@ class Trainer:
 
     def _parallelize(self, model, p, ac, compile_cfg, t):
         """4. Activation checkpointing, compile, then the data parallelism from its registry."""
-        apply_activation_checkpoint(model, ac)
+        apply_activation_checkpoint(model, self._recomputation(ac))
         if compile_cfg.enable:
             apply_compile(model, self.backend)
         mp = mixed_precision(self.device_type, t.mixed_precision_param, t.mixed_precision_reduce)
@@ -244,6 +245,17 @@ class Trainer:
         self._amp = (self.device_type == "cuda" and not parallel.casts_params and mp.param_dtype != torch.float32)
         self._amp_dtype = mp.param_dtype
         return train_model
+
+    def _recomputation(self, ac):
+        """4a. activation_checkpoint.mode = auto: the planner's lightest recomputation that fits this GPU (the
+        smallest over the ranks), which the run folder's config.toml then records."""
+        ranks_per_gpu = local_world() if self.env.shared_gpu else 1
+        ac, line, fits = resolve_auto_checkpoint(self.cfg, self.device, self.env.world_size, ranks_per_gpu,
+                                                 self.tokenizer.vocab_size, BACKENDS.get(self.backend).recomputes_mlp)
+        if line:
+            (logger.info if fits else logger.warning)(line)
+        self.cfg.activation_checkpoint = ac
+        return ac
 
     def _initialize(self, model, t, mcfg) -> None:
         """5. Materialize and initialize: the same full weights for any world size and seed; then TE's in-place

@@ -279,10 +279,12 @@ class FP8:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = opt("none", "none, full (every block), every_n (every N-th block) or mlp (every N-th block "
-                            "recomputes only its MLP's norm, first GEMM and activation: te backend)",
-                    choices=("none", "full", "every_n", "mlp"))
-    every_n: int = opt(2, "with mode=every_n or mlp: one block out of N (mlp with 1: every block)", bounds=Bounds(1))
+    mode: str = opt("none", "none, full (every block), every_n (every N-th block), mlp (every N-th block "
+                            "recomputes only its MLP's norm, first GEMM and activation: te backend) or auto (the "
+                            "planner's lightest of these that fits the GPU; none on a CPU)",
+                    choices=("none", "full", "every_n", "mlp", "auto"))
+    every_n: int = opt(2, "with mode=every_n or mlp: one block out of N (mlp with 1: every block); auto chooses its own",
+                       bounds=Bounds(1))
 
 
 @dataclass
