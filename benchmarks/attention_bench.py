@@ -1,7 +1,8 @@
 """Causal attention at the presets' shapes, forward and backward, on one GPU: TE's DotProductAttention as the
-blocks call it (bshd, grouped-query heads; TE picks its backend, cuDNN's fused kernels on Hopper), the same with
-TE's fused kernels off (`te_flash`: TE 2.20 then runs FlashAttention-4 if the `flash-attn-4` package is
-installed), torch's SDPA on cuDNN, and FlashAttention-4 called directly (CuTe DSL kernels). Prints per
+blocks call it (bshd, grouped-query heads) on cuDNN's fused kernels (`te`: model.attention_kernel = cudnn, TE's
+own choice on Hopper) and on FlashAttention (`te_flash`: = flash; TE 2.20 runs FlashAttention-4 where the
+`flash-attn-4` package is installed), torch's SDPA on cuDNN, and FlashAttention-4 called directly (CuTe DSL
+kernels). Prints per
 shape and kernel the milliseconds (median of CUDA-event timings) of the forward and of forward plus backward,
 TFLOP/s by Megatron's count (causal attention's scores halved), the first call's time (a JIT kernel compiles
 there) and the largest difference of the output and the input gradients from TE's, relative to TE's largest value.
@@ -12,42 +13,34 @@ there) and the largest difference of the output and the input gradients from TE'
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from cuda_timing import median_ms
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # titan_te of this checkout
+
 # (batch, sequence, query heads, key/value heads, head dim) of one step of each preset
 SHAPES = {"1B": (4, 8192, 32, 8, 64), "8B": (1, 8192, 32, 8, 128)}
 
 
-def te_attention(h: int, hkv: int, d: int, fused: bool = True):
-    """TE's DotProductAttention; fused=False: NVTE_FUSED_ATTN=0, so TE runs a FlashAttention package it finds
-    (FlashAttention-4 once installed; TE 2.20 prefers cuDNN's fused kernels on Hopper otherwise)."""
-    import importlib.util
-    import os
-
+def te_attention(h: int, hkv: int, d: int, kernel: str = "cudnn"):
+    """TE's DotProductAttention with model.attention_kernel's switches (titan_te/te/attention.py): cudnn, or
+    flash (FlashAttention-4 once installed; TE 2.20 prefers cuDNN's fused kernels on Hopper otherwise)."""
     import transformer_engine.pytorch as te
-    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
 
-    if not fused and importlib.util.find_spec("flash_attn") is None:
-        raise RuntimeError("no FlashAttention package installed (TE would run its unfused attention)")
-    os.environ["NVTE_FUSED_ATTN"] = "1" if fused else "0"
-    dpa._attention_backends["backend_selection_requires_update"] = True  # TE caches its choice, not the env
+    from titan_te.te import attention
+
+    reason = attention.missing(kernel)
+    if reason:
+        raise RuntimeError(reason)
+    attention.use(kernel)
     core = te.DotProductAttention(num_attention_heads=h, kv_channels=d, num_gqa_groups=hkv, attention_dropout=0.0,
                                   attn_mask_type="causal", qkv_format="bshd")
     return lambda q, k, v: core(q, k, v).view(q.shape)
-
-
-def te_backend() -> str:
-    """The backend TE chose for its last attention call."""
-    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
-
-    chosen = dpa._attention_backends
-    if chosen["use_flash_attention"]:
-        return f"FlashAttention {chosen['flash_attention_backend']}"
-    return f"FusedAttention {int(chosen['fused_attention_backend'])}" if chosen["use_fused_attention"] else "unfused"
 
 
 def sdpa_cudnn(h: int, hkv: int, d: int):
@@ -68,8 +61,14 @@ def flash4(h: int, hkv: int, d: int):
     return lambda q, k, v: flash_attn_func(q, k, v, causal=True)[0]
 
 
-KERNELS = {"te": te_attention, "te_flash": lambda h, hkv, d: te_attention(h, hkv, d, fused=False),
+KERNELS = {"te": te_attention, "te_flash": lambda h, hkv, d: te_attention(h, hkv, d, "flash"),
            "sdpa_cudnn": sdpa_cudnn, "flash4": flash4}
+
+
+def _te_ran() -> str:
+    from titan_te.te import attention
+
+    return attention.ran()
 
 
 def inputs(b: int, s: int, h: int, hkv: int, d: int):
@@ -90,7 +89,7 @@ def measure(name: str, shape: tuple, reps: int) -> dict:
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     result = {"out": out.detach(), "grads": [t.grad.detach().clone() for t in (q, k, v)], "first_s": first,
-              "backend": te_backend() if name.startswith("te") else name}
+              "backend": _te_ran() if name.startswith("te") else name}
 
     def step():
         for t in (q, k, v):

@@ -38,6 +38,7 @@ RUNS = {
                              "--fp8.amax_compute_algo=most_recent"],
     "fp8_recent": ["--fp8.amax_history_len=16", "--fp8.amax_compute_algo=most_recent"],
     "fp8_current": ["--fp8.recipe=current"],
+    "fp8_flash": ["--model.attention_kernel=flash"],  # FlashAttention's kernels instead of cuDNN's
     "fp8_bf16_wgrad": ["--model.wgrad_dtype=bfloat16"],  # the weight gradients TE writes in place, in bf16
     "fp8_uncalibrated": ["--fp8.calibrate_first_step=false"],  # delayed scaling's first step as TE leaves it
     "fp8_head_all": ["--fp8.head=all"],

@@ -67,6 +67,9 @@ RUNS = {
     "8b_fp8_b1": ("preset", "8b", ["--training.local_batch_size=1", "--activation_checkpoint.mode=none"]),  # until 12-07
     "8b_fp8_before": ("before", "8b", []),
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
+    # attention in an installed FlashAttention package (flash-attn-4's CuTe kernels on Hopper) instead of cuDNN's
+    "1b_fp8_flash": ("preset", "1b", ["--model.attention_kernel=flash"]),
+    "8b_fp8_flash": ("preset", "8b", ["--model.attention_kernel=flash"]),
     # FP8 current scaling (what Megatron-Bridge publishes its 8B figure with) beside the presets' delayed
     "1b_fp8_current": ("preset", "1b", ["--fp8.recipe=current"]),
     "8b_fp8_current": ("preset", "8b", ["--fp8.recipe=current"]),

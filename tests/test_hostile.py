@@ -115,6 +115,9 @@ CLI = [
     ("--activation_checkpoint.every_n=0", "activation_checkpoint.every_n must be >= 1"),
     ("--activation_checkpoint.mode=mlp", "activation_checkpoint.mode = 'mlp' needs model.backend = 'te' (this run "
                                          "uses 'torch'); use --activation_checkpoint.mode=every_n or full"),
+    ("--model.attention_kernel=flash", "model.attention_kernel = 'flash' needs model.backend = 'te' (this run uses "
+                                       "'torch'); use --model.attention_kernel=auto"),
+    ("--model.attention_kernel=fa3", "model.attention_kernel = 'fa3' is not one of"),
     ("--data.num_workers=-1", "data.num_workers must be within [0, 256]"),
     ("--training.device=cuda", "pip install --no-build-isolation 'transformer_engine[pytorch]'"),
     ("--model.backend=te", "model.backend = 'te'"),

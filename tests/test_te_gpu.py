@@ -226,6 +226,38 @@ def test_mode_auto_chooses_on_the_gpu_what_the_planner_chooses_for_that_card(tmp
     assert len(losses) == 3 and all(x == x and x < 20 for x in losses) and peak < card
 
 
+def _attention_run(rank, world, tmp, overrides):
+    from titan_te.te import attention
+
+    losses = _train_1b(rank, world, tmp, overrides)
+    return losses, attention.ran()
+
+
+def test_the_attention_kernel_option_runs_flash_attention_or_says_what_is_missing(tmp_path):
+    """model.attention_kernel = cudnn runs cuDNN's fused kernels; with a FlashAttention package installed, flash
+    runs it, its 20 steps of 1B-wide blocks (the presets' FP8 setting) follow cuDNN's within 1%, and a second
+    deterministic run repeats its losses exactly (exact resumes need its deterministic backward); without one,
+    flash is refused in one line."""
+    from titan_te import config as config_mod
+    from titan_te.te import attention
+
+    run = {"training.steps": 20, "fp8.enable": True, **PRESET_FP8}
+    cudnn, ran = run_ranks(_attention_run, 1, str(tmp_path / "cudnn"), {**run, "model.attention_kernel": "cudnn"})[0]
+    print(f"cudnn: {ran}; losses {cudnn[0]:.4f} -> {cudnn[-1]:.4f}")
+    assert ran.startswith("cuDNN fused attention") and len(cudnn) == 20
+    if not attention.flash_package():
+        with pytest.raises(config_mod.ConfigError, match="no FlashAttention package is installed"):
+            _cfg(tmp_path / "flash", 1, {"model.attention_kernel": "flash"})
+        print("flash: no FlashAttention package installed, refused")
+        return
+    flash, ran = run_ranks(_attention_run, 1, str(tmp_path / "flash"), {**run, "model.attention_kernel": "flash"})[0]
+    again, _ = run_ranks(_attention_run, 1, str(tmp_path / "again"), {**run, "model.attention_kernel": "flash"})[0]
+    gaps = [abs(a - b) / b for a, b in zip(flash, cudnn)]
+    print(f"flash ({attention.flash_package()}): {ran}; losses {flash[0]:.4f} -> {flash[-1]:.4f}; relative gaps to "
+          f"cuDNN at most {max(gaps):.1e}; a second run {'equal' if again == flash else 'DIFFERENT'}")
+    assert ran.startswith("FlashAttention") and len(flash) == 20 and max(gaps) < 0.01 and again == flash
+
+
 def test_a_calibration_pass_keeps_the_first_fp8_steps_near_bf16(tmp_path):
     """Delayed scaling quantizes a gradient with the scale from the passes before it; a run's first backward
     has none and uses the initial scale of 1, which E5M2 cannot represent most first-step gradient values at,

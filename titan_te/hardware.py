@@ -31,6 +31,22 @@ def _check_optimizer(name: str, device: str, where: str) -> None:
                           f"{' or '.join('--optimizer.name=' + n for n in usable)} {where}")
 
 
+def _check_attention(kernel: str, spec, backend: str, where: str) -> None:
+    from titan_te.errors import ConfigError
+    from titan_te.layers import BACKENDS
+
+    if kernel == "auto":
+        return
+    if spec.attention is None:
+        able = " or ".join(repr(n) for n in BACKENDS.names() if BACKENDS.get(n).attention is not None)
+        raise ConfigError(f"model.attention_kernel = '{kernel}' needs model.backend = {able} (this run uses "
+                          f"'{backend}'); use --model.attention_kernel=auto {where}")
+    reason = spec.attention.missing(kernel)
+    if reason:
+        raise ConfigError(f"model.attention_kernel = '{kernel}' cannot run here: {reason}; or use "
+                          f"--model.attention_kernel=auto {where}")
+
+
 def check_hardware(cfg, where: str) -> None:
     from titan_te.errors import ConfigError
     from titan_te.layers import BACKENDS
@@ -61,6 +77,7 @@ def check_hardware(cfg, where: str) -> None:
         able = " or ".join(repr(n) for n in BACKENDS.names() if BACKENDS.get(n).recomputes_mlp)
         raise ConfigError(f"activation_checkpoint.mode = 'mlp' needs model.backend = {able} (this run uses "
                           f"'{backend}'); use --activation_checkpoint.mode=every_n or full {where}")
+    _check_attention(cfg.model.attention_kernel, spec, backend, where)
     _check_optimizer(cfg.optimizer.name, device, where)
     if not cfg.fp8.enable:
         return

@@ -217,6 +217,9 @@ class Trainer:
         self.model_spec = spec = MODELS.get(m.name)
         self.backend = resolve_backend(m.backend, self.device_type, spec.backends)
         logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
+        self._attention = BACKENDS.get(self.backend).attention  # said after the first step, then None
+        if self._attention is not None:
+            self._attention.use(m.attention_kernel)
         self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
@@ -498,6 +501,8 @@ class Trainer:
                 try:
                     values = self.train_step(microbatches, calibrate)
                     calibrate = False
+                    if self._attention is not None:
+                        self._say_attention_kernels()
                 except torch.OutOfMemoryError as e:
                     self.metrics.flush()
                     snap = self.profiler.snapshot(f"oom-step-{step}")
@@ -529,6 +534,17 @@ class Trainer:
                                              f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
                                              "no checkpoints"))
         return self.losses
+
+    def _say_attention_kernels(self) -> None:
+        """After this process's first step: which kernels attention ran (model.attention_kernel), with a warning
+        where TE did not run the FlashAttention package the run asked for."""
+        kernel, ran = self.cfg.model.attention_kernel, self._attention.ran()
+        self._attention = None
+        if kernel == "flash" and not ran.startswith("FlashAttention"):
+            logger.warning(f"model.attention_kernel = flash, but TE ran {ran} for these shapes (its backend rules "
+                           f"refused FlashAttention; NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why)")
+        else:
+            logger.info(f"attention ran {ran} (model.attention_kernel = {kernel})")
 
     def _read_step_values(self) -> None:
         """Before a save and at the end: read (and log) the step still pending; its weights are saved only if

@@ -89,6 +89,9 @@ class Model:
                                               "gradients in place, adding up micro-batches, instead of bf16 ones "
                                               "that autograd casts; FSDP2 and DDP reduce autograd's gradients, "
                                               "so elsewhere it has no effect")
+    attention_kernel: str = opt("auto", "te backend: which kernels attention runs: auto (TE's choice: cuDNN's fused "
+                                        "kernels on Hopper), cudnn, or flash (an installed FlashAttention package: "
+                                        "flash-attn-4, 3 or 2)", choices=("auto", "cudnn", "flash"))
     wgrad_dtype: str = opt("float32", "the dtype TE's in-place weight gradients (fuse_wgrad_accumulation) are "
                                       "written and added up in: bfloat16 halves their memory and the bytes that "
                                       "clipping and the optimizer read, rounding each gradient (and, with "

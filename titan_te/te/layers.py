@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from titan_te.te import tensors
+from titan_te.te import attention, tensors
 
 
 def te_unavailable_reason() -> str:
@@ -112,4 +112,4 @@ def te_document_mask(doc_start: torch.Tensor) -> dict:
 # what the `te` layer backend brings to every family (titan_te/layers registers it)
 BACKEND = dict(available=te_unavailable_reason, materialize=te_materialize, write=tensors.write,
                document_mask=te_document_mask, needs_cuda=True, fp8=True, compiles_blocks=False, recomputes_mlp=True,
-               install="pip install --no-build-isolation 'transformer_engine[pytorch]'")
+               attention=attention, install="pip install --no-build-isolation 'transformer_engine[pytorch]'")
