@@ -298,3 +298,22 @@ def test_mode_auto_on_the_cpu_recomputes_nothing_and_the_run_folder_records_it(t
     assert "activation_checkpoint.mode = auto: none (nothing recomputed on a CPU)" in caplog.text
     resolved = tomllib.loads((tmp_path / "t/config.toml").read_text())["activation_checkpoint"]
     assert resolved["mode"] == "none"
+
+
+def test_the_lower_bound_before_building_counts_whole_logits_only_where_the_model_builds_them(tmp_path):
+    """The check before the model is built (memory_estimate) once counted FP32 logits and their gradient for every
+    model: 1B-wide blocks at batch 240 x seq 2048 were refused on an H200 ("needs at least 479.0 GiB ... plus
+    469.7 GiB of logits") where the fused head holds one chunk of them at a time and the run fits (the planner: 115
+    GiB)."""
+    import torch
+
+    from titan_te.memory_estimate import estimate
+    from titan_te.models.llama import FLAVORS, resolve_args
+    from titan_te.optim import OPTIMIZERS
+
+    cfg = make_cfg(tmp_path, training={"local_batch_size": 240, "seq_len": 2048})
+    args = resolve_args(FLAVORS["1B"], 128256, 2048, 4)
+    spec, cuda = OPTIMIZERS.get(cfg.optimizer.name), torch.device("cuda")
+    fused, whole = (estimate(cfg, args, spec, cuda, 1, 1, fused_head=f) for f in (True, False))
+    assert fused["logits"] == 0 and fused["total"] == args.num_params() * fused["per_param"]
+    assert whole["logits"] == 2 * 4 * 240 * 2048 * 128256 and whole["total"] == fused["total"] + whole["logits"]

@@ -223,8 +223,8 @@ class Trainer:
         self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
-        check_fits(cfg, self.model_args, self.optimizer_spec, self.device,
-                   self.env.dims.size("dp_shard"), local_world())
+        check_fits(cfg, self.model_args, self.optimizer_spec, self.device, self.env.dims.size("dp_shard"),
+                   local_world(), fused_head=m.fused_loss and spec.computes_loss)
         logger.info(f"building the model ({self.model_args.num_params() / 1e6:,.1f} M parameters) on "
                     f"{self.device}")
         with torch.device("meta"):
