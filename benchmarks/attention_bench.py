@@ -115,6 +115,10 @@ def main() -> None:
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {list(KERNELS)}")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    try:  # before torch loads its own cuDNN: TE's library links the machine's, and the second one loaded failed
+        import transformer_engine.pytorch  # noqa: F401  (undefined cuDNN symbols in TE's rows, H200, 2026-12-07)
+    except ImportError:
+        pass
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print("| shape | kernel | ran | fwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | first call s | out gap | "
           "dq dk dv gaps |")

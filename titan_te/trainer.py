@@ -222,6 +222,7 @@ class Trainer:
             self._attention.use(m.attention_kernel)
         self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
         self.model_args = spec.args_for(m.flavor, padded_vocab(self.tokenizer.vocab_size), t.seq_len, m.n_layers)
+        self._check_attention_kernel(m.attention_kernel, self.model_args)
         # refuse a run that cannot fit before building it (a CPU run would be killed by the kernel)
         check_fits(cfg, self.model_args, self.optimizer_spec, self.device, self.env.dims.size("dp_shard"),
                    local_world(), fused_head=m.fused_loss and spec.computes_loss)
@@ -534,6 +535,15 @@ class Trainer:
                                              f"checkpoints in {ck.folder} (newest step-{saved[-1]})" if saved else
                                              "no checkpoints"))
         return self.losses
+
+    def _check_attention_kernel(self, kernel: str, a) -> None:
+        """3a. The attention kernel the run asked for computes causal attention as torch does, at the model's head
+        widths, before the run trains with it (an installed package that TE misuses is the machine's problem)."""
+        if self._attention is None:
+            return
+        reason = self._attention.check(kernel, a.n_heads, a.n_kv_heads, a.head_dim, self.device)
+        if reason:
+            raise ConfigError(f"model.attention_kernel = {kernel}: {reason}; use --model.attention_kernel=cudnn")
 
     def _say_attention_kernels(self) -> None:
         """After this process's first step: which kernels attention ran (model.attention_kernel), with a warning
