@@ -64,7 +64,8 @@ RUNS = {
     "1b_peer": ("peer", "1b", {"float8": True, "bf16_state": False}),
     "1b_peer_bf16": ("peer", "1b", {"float8": False, "bf16_state": False}),
     "8b_fp8": ("preset", "8b", []),  # two sequences a GPU, activation_checkpoint.mode = auto (one H200: mlp, every_n 4)
-    "8b_fp8_b1": ("preset", "8b", ["--training.local_batch_size=1", "--activation_checkpoint.mode=none"]),  # until 12-07
+    # the 8B preset until 2026-12-07: one sequence, nothing recomputed
+    "8b_fp8_b1": ("preset", "8b", ["--training.local_batch_size=1", "--activation_checkpoint.mode=none"]),
     "8b_fp8_before": ("before", "8b", []),
     "8b_fp8_attention": ("preset", "8b", ["--fp8.attention=true"]),
     # attention in an installed FlashAttention package (flash-attn-4's CuTe kernels on Hopper) instead of cuDNN's

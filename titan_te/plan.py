@@ -211,7 +211,12 @@ class _RankMemory:
     """One rank's memory apart from activation checkpointing's choice, and its peak for any choice."""
     m: _Model
     card: GPU
+    parallel: object  # the data parallelism's spec
+    rep: int  # replicas
+    shard: int  # FSDP's shard degree
+    div: int  # what the weights, gradients and state are divided by (the shard degree where it shards them)
     gathers: bool  # FSDP moves weights and gradients between the shards
+    transposes: float  # TE's transposed FP8 copies of the weights used in place
     weights: float
     grads: float
     state: float
@@ -274,7 +279,8 @@ def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemo
     # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,
     # beside the unit's own waiting for its reduce-scatter)
     held_grads = (grads + (block_grads if gathers else 0)) if grad_accum > 1 else block_grads
-    return _RankMemory(m, card, gathers, weights, grads, state_full / div, state_full, transient, held_grads, grad_accum, head,
+    return _RankMemory(m, card, parallel, rep, shard, div, gathers, transposes, weights, grads, state_full / div,
+                       state_full, transient, held_grads, grad_accum, head,
                        lambda every_n: _activations(cfg, m, vocab, tokens, card.fp8_transpose, every_n)[0])
 
 
@@ -345,20 +351,14 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
               breakdown: dict | None = None) -> Plan:
     from dataclasses import replace
 
-    from titan_te import config as config_mod
-    from titan_te.parallel import select
-
     world = ngpu * nnodes
-    rep, shard = config_mod.dp_degrees(cfg.parallelism, world)
-    parallel = select(cfg.parallelism, world)
-    div = shard if parallel.shards_params else 1
-    gathers = parallel.shards_params and div > 1
     m = _build_model(cfg, vocab)
     n_fp8, n_other = m.n_fp8, m.n_other
     card = GPUS[gpu]
     mem = _rank_memory(cfg, m, world, card, vocab)
     weights, grads, state, transient, head = mem.weights, mem.grads, mem.state, mem.transient, mem.head
-    transposes = n_fp8 if card.fp8_transpose and not gathers else 0
+    parallel, rep, shard, div = mem.parallel, mem.rep, mem.shard, mem.div
+    gathers, transposes = mem.gathers, mem.transposes
     t, acfg = cfg.training, cfg.activation_checkpoint
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
     lightest = _lightest(mem, _plans_mlp(cfg))

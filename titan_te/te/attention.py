@@ -38,7 +38,7 @@ def flash_package() -> str:
 def missing(kernel: str) -> str:
     """Why `kernel` cannot run here ('' when it can)."""
     if kernel == "flash" and not flash_package():
-        return "no FlashAttention package is installed (pip install flash-attn-4; on Hopper its kernels need CUDA 12.9+)"
+        return "no FlashAttention package is installed (pip install flash-attn-4)"
     return ""
 
 
