@@ -217,7 +217,8 @@ class Trainer:
         self.model_spec = spec = MODELS.get(m.name)
         self.backend = resolve_backend(m.backend, self.device_type, spec.backends)
         logger.info(f"layer backend: {self.backend} (model.backend = {m.backend})")
-        self._attention = BACKENDS.get(self.backend).attention  # said after the first step, then None
+        self._attention = BACKENDS.get(self.backend).attention  # the backend's attention kernels, if it has a choice
+        self._attention_said = self._attention is None  # which kernels ran: logged after the first step
         if self._attention is not None:
             self._attention.use(m.attention_kernel)
         self.fp8 = FP8Policy(f, amax_group=dist.group.WORLD)  # amax reduced over data parallel
@@ -502,7 +503,7 @@ class Trainer:
                 try:
                     values = self.train_step(microbatches, calibrate)
                     calibrate = False
-                    if self._attention is not None:
+                    if not self._attention_said:
                         self._say_attention_kernels()
                 except torch.OutOfMemoryError as e:
                     self.metrics.flush()
@@ -549,7 +550,7 @@ class Trainer:
         """After this process's first step: which kernels attention ran (model.attention_kernel), with a warning
         where TE did not run the FlashAttention package the run asked for."""
         kernel, ran = self.cfg.model.attention_kernel, self._attention.ran()
-        self._attention = None
+        self._attention_said = True
         if kernel == "flash" and not ran.startswith("FlashAttention"):
             logger.warning(f"model.attention_kernel = flash, but TE ran {ran} for these shapes (its backend rules "
                            f"refused FlashAttention; NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 prints why)")

@@ -28,8 +28,8 @@ class BackendSpec:
     compiles_blocks: bool = True  # torch.compile can trace its blocks (else compile.enable does nothing)
     # its blocks can recompute their MLP's first half in the backward (activation_checkpoint.mode = mlp)
     recomputes_mlp: bool = False
-    # chooses its attention kernels (model.attention_kernel): a module with KERNELS, missing(kernel), use(kernel)
-    # and ran() (titan_te/te/attention.py)
+    # chooses its attention kernels (model.attention_kernel): a module with missing(kernel), use(kernel),
+    # check(kernel, heads, kv_heads, head_dim, device) and ran() (titan_te/te/attention.py)
     attention: object = None
 
 

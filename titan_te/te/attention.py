@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-KERNELS = ("auto", "cudnn", "flash")
 # the import names of the FlashAttention packages TE 2.20 runs, newest first
 FLASH_PACKAGES = (("flash_attn.cute", "flash-attn-4"), ("flash_attn_interface", "flash-attn 3"),
                   ("flash_attn", "flash-attn 2"))
