@@ -83,6 +83,7 @@ def check(kernel: str, heads: int, kv_heads: int, head_dim: int, device) -> str:
     import torch
     import torch.nn.functional as F
     import transformer_engine.pytorch as te
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(2, 256, n, head_dim, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -93,8 +94,9 @@ def check(kernel: str, heads: int, kv_heads: int, head_dim: int, device) -> str:
     out.float().square().sum().backward()
     ran_here = ran()
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=True,
-                                         enable_gqa=True).transpose(1, 2)
+    with sdpa_kernel(SDPBackend.MATH):  # the plain formula (deterministic, as training.deterministic may demand)
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=True,
+                                             enable_gqa=True).transpose(1, 2)
     ref.square().sum().backward()
     worst = max(_gap(a, b) for a, b in [(out, ref)] + [(t.grad, r.grad) for t, r in zip((q, k, v), ref_in)])
     if not ran_here.startswith("FlashAttention"):
