@@ -55,14 +55,15 @@ def sdpa_cudnn(h: int, hkv: int, d: int):
     return run
 
 
-def flash4(h: int, hkv: int, d: int):
+def flash4(h: int, hkv: int, d: int, deterministic: bool = False):
     from flash_attn.cute import flash_attn_func
 
-    return lambda q, k, v: flash_attn_func(q, k, v, causal=True)[0]
+    return lambda q, k, v: flash_attn_func(q, k, v, causal=True, deterministic=deterministic)[0]
 
 
+# flash4_det: FA4's deterministic backward, which training.deterministic asks for (exact reruns and resumes)
 KERNELS = {"te": te_attention, "te_flash": lambda h, hkv, d: te_attention(h, hkv, d, "flash"),
-           "sdpa_cudnn": sdpa_cudnn, "flash4": flash4}
+           "sdpa_cudnn": sdpa_cudnn, "flash4": flash4, "flash4_det": lambda h, hkv, d: flash4(h, hkv, d, True)}
 
 
 def _te_ran() -> str:
