@@ -43,6 +43,7 @@ RUNS = {
     "fp8_uncalibrated": ["--fp8.calibrate_first_step=false"],  # delayed scaling's first step as TE leaves it
     "fp8_head_all": ["--fp8.head=all"],
     "fp8_head_off": ["--fp8.head=off"],
+    "fp8_head_dgrad": ["--fp8.head=dgrad"],
     "fp8_b2_every4": ["--training.local_batch_size=2", "--activation_checkpoint.mode=every_n",
                       "--activation_checkpoint.every_n=4"],
     # the 8B's fastest fit on one H200 (train_bench's 8b_fp8_b2_mlp4) against bf16 at the same batch: batch 2 is a

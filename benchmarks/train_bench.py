@@ -57,6 +57,9 @@ RUNS = {
     "1b_fp8_head_off": ("preset", "1b", ["--fp8.head=off"]),
     "1b_fp8_head_dgrad": ("preset", "1b", ["--fp8.head=dgrad"]),
     "8b_fp8_head_all": ("preset", "8b", ["--fp8.head=all"]),
+    # the 8B head's logits (so the loss) in bf16 and only its gradient into the model in FP8: all of it in FP8 cost
+    # loss at 8B (README)
+    "8b_fp8_head_dgrad": ("preset", "8b", ["--fp8.head=dgrad"]),
     # FSDP with the blocks as the only units (the root holds embedding, norm and head), beside *_fsdp
     "1b_fp8_blocks_plan": ("blocks_plan", "1b", ["--parallelism.unsharded_one_rank=false"]),
     "8b_fp8_blocks_plan": ("blocks_plan", "8b", ["--parallelism.unsharded_one_rank=false"]),
