@@ -4,9 +4,11 @@
 #   bash scripts/test_gpu.sh single   # one rank: TE layers, FP8 recipes, the fused head, metrics, FP8 against bf16
 #                                     # over 200 steps of 1B-wide blocks, the acceptance test
 #   bash scripts/test_gpu.sh shared   # 2 to 4 ranks sharing the GPU (TITAN_TE_SHARE_GPU=1, gloo)
-#   bash scripts/test_gpu.sh all      # both waves, one after the other
+#   bash scripts/test_gpu.sh auto     # activation_checkpoint.mode = auto on one rank and on 2 sharing the GPU:
+#                                     # each run fills the card by design, so this group runs alone
+#   bash scripts/test_gpu.sh all      # the three, one after the other
 #   bash scripts/test_gpu.sh GROUP    # one group of a wave (layers, tracking_1b, acceptance, shared_tracking,
-#                                     # shared_state, shared_elastic, shared_memory, shared_launcher), e.g. to
+#                                     # shared_state, shared_elastic, shared_memory, shared_launcher, auto), e.g. to
 #                                     # fit a time-limited session
 #
 # A wave's groups run at once, each logging to LOG_DIR (default gpu_logs/) as <group>.log; the script prints
@@ -54,25 +56,26 @@ wave_end() {  # finish the wave's last groups; non-zero if any group of the wave
   failed_early=0
   return $ok
 }
-layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py -k "not tracks_bf16"; }
+layers() { group layers tests/test_te_gpu.py tests/test_loss.py tests/test_metrics.py -k "not tracks_bf16 and not mode_auto"; }
 tracking_1b() { group tracking_1b tests/test_te_gpu.py -k "tracks_bf16"; }
 acceptance() { group acceptance tests/test_acceptance_gpu.py; }
 shared_tracking() { group shared_tracking tests/test_shared_gpu.py -k "init or track"; }
 shared_state() { group shared_state tests/test_shared_gpu.py -k "gathers or scales or reshards"; }
 shared_elastic() { group shared_elastic tests/test_shared_gpu.py -k "other_rank"; }
-shared_memory() { group shared_memory tests/test_shared_gpu.py -k "recomputed or planner"; }
+shared_memory() { group shared_memory tests/test_shared_gpu.py -k "(recomputed or planner) and not mode_auto"; }
 shared_launcher() { group shared_launcher tests/test_shared_gpu.py -k "kill or hsdp or one_line"; }
 single() { layers; tracking_1b; acceptance; wave_end; }
 shared() { shared_tracking; shared_state; shared_elastic; shared_memory; shared_launcher; wave_end; }
+auto() { group auto tests/test_te_gpu.py tests/test_shared_gpu.py -k "mode_auto"; }
 
 status=0
 case "$wave" in
   single) single || status=1 ;;
   shared) shared || status=1 ;;
-  all) single || status=1; shared || status=1 ;;
-  layers|tracking_1b|acceptance|shared_tracking|shared_state|shared_elastic|shared_memory|shared_launcher)
+  all) single || status=1; shared || status=1; auto; wave_end || status=1 ;;
+  layers|tracking_1b|acceptance|shared_tracking|shared_state|shared_elastic|shared_memory|shared_launcher|auto)
     "$wave"; wave_end || status=1 ;;
-  *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, all, or one group: layers, tracking_1b," \
+  *) echo "test_gpu.sh: unknown wave or group '$wave' (single, shared, auto, all, or one group: layers, tracking_1b," \
           "acceptance, shared_tracking, shared_state, shared_elastic, shared_memory, shared_launcher)" >&2; exit 2 ;;
 esac
 exit $status

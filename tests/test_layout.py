@@ -129,7 +129,7 @@ def test_the_gpu_script_runs_every_gpu_test_once():
     script = (ROOT / "scripts" / "test_gpu.sh").read_text()
     groups = re.findall(r"^\w+\(\) \{ group (\w+) ((?:tests/\S+ ?)+)(?:-k \"([^\"]+)\")?; \}", script, re.M)
     assert {g[0] for g in groups} == {"layers", "tracking_1b", "acceptance", "shared_tracking", "shared_state",
-                                      "shared_elastic", "shared_memory", "shared_launcher"}
+                                      "shared_elastic", "shared_memory", "shared_launcher", "auto"}
     runs = [files.split() + (["-k", expr] if expr else []) for _, files, expr in groups]
     runs.append(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")))  # every GPU test
     r = subprocess.run([sys.executable, "-c", SELECTION, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True,
