@@ -19,19 +19,24 @@ MEASURED_1B_CHECKPOINT_GB = 13.0  # one save of the 1B preset on the H200 (READM
 MEASURED_8B = {"training.local_batch_size": 1, "activation_checkpoint.mode": "none"}
 
 
-def _plan(preset: str, ngpu: int = 1, gpu: str = "H200", **overrides):
+def _load(preset: str, world: int, overrides: dict):
+    """The preset with `overrides`, validated for `world` ranks, without this machine's hardware."""
     from titan_te import config as config_mod
+
+    argv = [f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()]
+    old = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        return config_mod.load(argv, hardware=False)[0]
+    finally:
+        os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
+
+
+def _plan(preset: str, ngpu: int = 1, gpu: str = "H200", **overrides):
     from titan_te.plan import make_plan
 
     overrides = {**MEASURED_8B, **overrides} if preset == "llama_fp8" else overrides
-    argv = [f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()]
-    old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(ngpu)
-    try:
-        cfg, _ = config_mod.load(argv, hardware=False)
-    finally:
-        os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
-    return make_plan(cfg, ngpu, 1, gpu, vocab=258)
+    return make_plan(_load(preset, ngpu, overrides), ngpu, 1, gpu, vocab=258)
 
 
 @pytest.mark.parametrize("preset", list(MEASURED_PEAK_GIB))
@@ -238,16 +243,9 @@ def test_the_planners_all_gather_bytes_are_what_fsdp_gathered_on_the_h200():
 
 
 def _lightest(preset: str, world: int = 1, gpu: str = "H200", recomputes_mlp: bool = True, **overrides):
-    from titan_te import config as config_mod
     from titan_te.plan import GPUS, lightest_recomputation
 
-    old = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        cfg, _ = config_mod.load([f"--config={preset}"] + [f"--{k}={v}" for k, v in overrides.items()], hardware=False)
-    finally:
-        os.environ.pop("WORLD_SIZE") if old is None else os.environ.__setitem__("WORLD_SIZE", old)
-    return lightest_recomputation(cfg, world, GPUS[gpu], 258, recomputes_mlp)
+    return lightest_recomputation(_load(preset, world, overrides), world, GPUS[gpu], 258, recomputes_mlp)
 
 
 def test_mode_auto_takes_the_lightest_recomputation_that_fits_the_card():
