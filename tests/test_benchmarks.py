@@ -238,3 +238,38 @@ def test_a_run_is_compared_with_the_peer_taking_as_many_tokens_per_optimizer_ste
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1] for line in train_bench.tables(results).splitlines()
             if line.startswith("| 8b_") and "%" in line}
     assert rows == {"8b_fp8": "1.250x |", "8b_fp8_b1": "1.318x |", "8b_peer": "1.000x |", "8b_peer_b2": "1.000x |"}
+
+
+def test_memory_peak_names_what_was_allocated_at_the_peak(tmp_path, capsys):
+    """benchmarks/memory_peak.py on a snapshot in torch's format (CUDA's own needs a GPU): 5 GiB held when the
+    recording began (the segments' active blocks at the end less the trace's allocations plus its frees), 1 GiB of it
+    freed first, then 1 GiB in the head, 2 GiB in torch, the head's freed, 0.5 GiB in the head again: the peak is
+    4 + 3 GiB, with the head's 1 GiB and torch's 2."""
+    import pickle
+
+    import memory_peak
+
+    G = 2**30
+    head = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 7, "name": "linear"},
+            {"filename": "/repo/titan_te/models/llama/head.py", "line": 120, "name": "_loss_and_grads"}]
+    torch_frames = [{"filename": "/x/site-packages/torch/autograd/graph.py", "line": 3, "name": "backward"}]
+    trace = [{"action": "free_completed", "addr": 99, "size": G, "frames": []},  # made before the recording
+             {"action": "alloc", "addr": 1, "size": G, "frames": head},
+             {"action": "alloc", "addr": 2, "size": 2 * G, "frames": torch_frames},
+             {"action": "free_requested", "addr": 1, "size": G, "frames": head},
+             {"action": "free_completed", "addr": 1, "size": G, "frames": head},
+             {"action": "alloc", "addr": 3, "size": G // 2, "frames": head}]
+    blocks = [{"size": 4 * G, "state": "active_allocated"}, {"size": 2 * G, "state": "active_allocated"},
+              {"size": G // 2, "state": "active_allocated"}, {"size": G, "state": "inactive"}]
+    path = tmp_path / "step-3.pickle"
+    path.write_bytes(pickle.dumps({"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]}))
+    found = memory_peak.peak(pickle.loads(path.read_bytes()))
+    assert (found["peak"], found["before"]) == (7 * G, 4 * G)
+    assert found["rows"] == [(2 * G, "/x/site-packages/torch/autograd/graph.py:3 backward"),
+                             (G, "models/llama/head.py:120 _loss_and_grads")]
+    assert memory_peak.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("peak 7.00 GiB allocated; 4.00 GiB of it from before recording")
+    assert "| 1.000 | models/llama/head.py:120 _loss_and_grads |" in out
+    assert memory_peak.main([str(tmp_path / "none.pickle")]) == 2
+    assert capsys.readouterr().err.startswith(f"memory_peak: {tmp_path / 'none.pickle'}: not a CUDA memory snapshot")
