@@ -8,10 +8,12 @@ for bf16 weights and refuses for TE's FP8 weights (they hand FSDP2 their shard u
 3 ranks are a one-line config error, with bf16 weights (FP8 compute) they train.
 """
 import os
+import pickle
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -305,7 +307,8 @@ def _peak_and_plan(rank, world, tmp, micro_batches=1):
     from titan_te.plan import make_plan
 
     tr = _trainer(tmp, world, model={"n_layers": 8}, training={"steps": 3, "seq_len": 4096, "local_batch_size": 2,
-                                                               "global_batch_size": 2 * world * micro_batches})
+                                                               "global_batch_size": 2 * world * micro_batches},
+                  profiling={"enable_memory_snapshot": True, "memory_snapshot_steps": [3]})  # what held the peak
     torch.cuda.reset_peak_memory_stats()
     tr.train()
     peak = torch.cuda.max_memory_allocated()  # this rank's process only: its own caching allocator
@@ -326,6 +329,15 @@ def test_the_planners_memory_estimate_is_within_10_percent_of_shared_ranks_peaks
         for rank, (peak, est) in enumerate(runs):
             print(f"{micro} micro-batch(es), rank {rank}: measured peak {peak / 2**30:.2f} GiB, planner "
                   f"{est / 2**30:.2f} GiB ({est / peak - 1:+.1%})")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory_peak
+
+    for micro, folder in ((1, "one"), (2, "two")):
+        snapshot = tmp_path / folder / "t/memory_snapshot/step-3-rank0.pickle"
+        found = memory_peak.peak(pickle.loads(snapshot.read_bytes()))
+        print(f"{micro} micro-batch(es), rank 0, by its memory snapshot: peak {found['peak'] / 2**30:.2f} GiB, "
+              f"{found['before'] / 2**30:.2f} of it from before the recording; then "
+              + "; ".join(f"{size / 2**30:.2f} {where}" for size, where in found["rows"][:10]))
     assert all(abs(est / peak - 1) <= 0.10 for peak, est in per_rank + per_rank_accumulating)
 
 
