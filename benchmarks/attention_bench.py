@@ -23,6 +23,8 @@ from cuda_timing import median_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # titan_te of this checkout
 
+from titan_te.te import attention  # noqa: E402  (imports no Transformer Engine until a kernel is chosen)
+
 # (batch, sequence, query heads, key/value heads, head dim) of one step of each preset
 SHAPES = {"1B": (4, 8192, 32, 8, 64), "8B": (1, 8192, 32, 8, 128)}
 
@@ -31,8 +33,6 @@ def te_attention(h: int, hkv: int, d: int, kernel: str = "cudnn"):
     """TE's DotProductAttention with model.attention_kernel's switches (titan_te/te/attention.py): cudnn, or
     flash (FlashAttention-4 once installed; TE 2.20 prefers cuDNN's fused kernels on Hopper otherwise)."""
     import transformer_engine.pytorch as te
-
-    from titan_te.te import attention
 
     reason = attention.missing(kernel)
     if reason:
@@ -66,12 +66,6 @@ KERNELS = {"te": te_attention, "te_flash": lambda h, hkv, d: te_attention(h, hkv
            "sdpa_cudnn": sdpa_cudnn, "flash4": flash4, "flash4_det": lambda h, hkv, d: flash4(h, hkv, d, True)}
 
 
-def _te_ran() -> str:
-    from titan_te.te import attention
-
-    return attention.ran()
-
-
 def inputs(b: int, s: int, h: int, hkv: int, d: int):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
@@ -90,7 +84,7 @@ def measure(name: str, shape: tuple, reps: int) -> dict:
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     result = {"out": out.detach(), "grads": [t.grad.detach().clone() for t in (q, k, v)], "first_s": first,
-              "backend": _te_ran() if name.startswith("te") else name}
+              "backend": attention.ran() if name.startswith("te") else name}
 
     def step():
         for t in (q, k, v):
@@ -104,10 +98,6 @@ def measure(name: str, shape: tuple, reps: int) -> dict:
     result["fwd_tflops"] = flops / result["fwd_ms"] / 1e9
     result["bwd_tflops"] = 2.5 * flops / (result["step_ms"] - result["fwd_ms"]) / 1e9
     return result
-
-
-def gap(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
 def main() -> None:
@@ -133,9 +123,10 @@ def main() -> None:
                 print(f"| {shape_name} | {name} | {type(e).__name__}: {str(e).splitlines()[0][:120]} |")
                 continue
             ref = ref or r
-            gaps = " ".join(f"{gap(a, b):.1e}" for a, b in zip(r["grads"], ref["grads"]))
+            gaps = " ".join(f"{attention.gap(a, b):.1e}" for a, b in zip(r["grads"], ref["grads"]))
+            out_gap = attention.gap(r["out"], ref["out"])
             print(f"| {shape_name} | {name} | {r['backend']} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {r['fwd_tflops']:.0f} | "
-                  f"{r['bwd_tflops']:.0f} | {r['first_s']:.1f} | {gap(r['out'], ref['out']):.1e} | {gaps} |")
+                  f"{r['bwd_tflops']:.0f} | {r['first_s']:.1f} | {out_gap:.1e} | {gaps} |")
             del r
             torch.cuda.empty_cache()
 

@@ -225,7 +225,13 @@ class _RankMemory:
     held_grads: float  # gradients held at the start of the backward
     grad_accum: int  # micro-batches a step
     head: float
-    activations: object  # every_n -> bytes per mode (_activations)
+    cfg: object
+    vocab: int
+    tokens: int  # one micro-batch's
+
+    def activations(self, every_n: int) -> dict:
+        """Bytes of activations at the peak per activation-checkpoint mode with `every_n` (_activations)."""
+        return _activations(self.cfg, self.m, self.vocab, self.tokens, self.card.fp8_transpose, every_n)[0]
 
     def kept_gathered(self, mode: str, every_n: int) -> float:
         """Blocks that stay gathered from their forward to their backward (recomputed FP8 blocks): whole copies."""
@@ -280,8 +286,7 @@ def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemo
     # beside the unit's own waiting for its reduce-scatter)
     held_grads = (grads + (block_grads if gathers else 0)) if grad_accum > 1 else block_grads
     return _RankMemory(m, card, parallel, rep, shard, div, gathers, transposes, weights, grads, state_full / div,
-                       state_full, transient, held_grads, grad_accum, head,
-                       lambda every_n: _activations(cfg, m, vocab, tokens, card.fp8_transpose, every_n)[0])
+                       state_full, transient, held_grads, grad_accum, head, cfg, vocab, tokens)
 
 
 def recomputed_share(args, mode: str, every_n: int) -> float:
@@ -360,7 +365,6 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     parallel, rep, shard, div = mem.parallel, mem.rep, mem.shard, mem.div
     gathers, transposes = mem.gathers, mem.transposes
     t, acfg = cfg.training, cfg.activation_checkpoint
-    tokens = t.local_batch_size * t.seq_len  # one micro-batch
     lightest = _lightest(mem, _plans_mlp(cfg))
     configured = acfg.mode
     if acfg.mode == "auto":  # the rest of the plan is for what auto chooses on this card
@@ -391,7 +395,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
     shard_link = nvlink if div <= ngpu else ib  # the shard group within one node: NVLink, else InfiniBand
     comm_s = (plan.gather_bytes + plan.scatter_bytes) / (shard_link * 1e9)
     comm_s += replicate_bytes / ((ib if nnodes > 1 else nvlink) * 1e9)
-    step_tokens = tokens * mem.grad_accum
+    step_tokens = mem.tokens * mem.grad_accum
     # recomputation: a checkpointed block runs its forward twice (the forward is a third of its FLOPs)
     recomputed = recomputed_share(m.args, acfg.mode, acfg.every_n)
     compute_s = _compute_s(breakdown, step_tokens, m.args, t.seq_len, peak_flops, div) * (1 + recomputed / 3)

@@ -98,7 +98,7 @@ def check(kernel: str, heads: int, kv_heads: int, head_dim: int, device) -> str:
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in ref_in), is_causal=True,
                                              enable_gqa=True).transpose(1, 2)
     ref.square().sum().backward()
-    worst = max(_gap(a, b) for a, b in [(out, ref)] + [(t.grad, r.grad) for t, r in zip((q, k, v), ref_in)])
+    worst = max(gap(a, b) for a, b in [(out, ref)] + [(t.grad, r.grad) for t, r in zip((q, k, v), ref_in)])
     if not ran_here.startswith("FlashAttention"):
         return f"TE ran {ran_here} instead of FlashAttention for a causal {head_dim}-wide problem"
     if worst > 0.05:
@@ -107,7 +107,8 @@ def check(kernel: str, heads: int, kv_heads: int, head_dim: int, device) -> str:
     return ""
 
 
-def _gap(a, ref) -> float:
+def gap(a, ref) -> float:
+    """The largest difference of `a` from `ref`, relative to ref's largest value."""
     return ((a.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
