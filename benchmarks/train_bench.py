@@ -74,6 +74,9 @@ RUNS = {
     # attention in an installed FlashAttention package (flash-attn-4's CuTe kernels on Hopper) instead of cuDNN's
     "1b_fp8_flash": ("preset", "1b", ["--model.attention_kernel=flash"]),
     "8b_fp8_flash": ("preset", "8b", ["--model.attention_kernel=flash"]),
+    # the 8B's three unadopted levers together: FA4, the head's dgrad in FP8, bf16 weight gradients
+    "8b_fp8_flash_dgrad_bf16_wgrad": ("preset", "8b", ["--model.attention_kernel=flash", "--fp8.head=dgrad",
+                                                       BF16_WGRAD]),
     # FP8 current scaling (what Megatron-Bridge publishes its 8B figure with) beside the presets' delayed
     "1b_fp8_current": ("preset", "1b", ["--fp8.recipe=current"]),
     "8b_fp8_current": ("preset", "8b", ["--fp8.recipe=current"]),
