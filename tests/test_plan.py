@@ -64,6 +64,21 @@ def test_fp8_weights_used_in_place_count_their_transposes_on_hopper_only():
     assert "transposes" not in dict(sharded.rows)["weights / rank"]
 
 
+def test_backward_transposes_leave_the_fp8_transposes_out_of_the_forwards_peak():
+    """fp8.backward_transposes: TE derives the FP8 weights' transposes in the backward and the optimizer frees
+    them, so the peak at the start of the backward (the 8B's) falls by their bytes, one per FP8 weight; they count
+    in the optimizer step, and with several micro-batches a step they are held from the first backward on. On one
+    H200 mode auto then recomputes the MLP of one block in 8 instead of 4."""
+    late = {"fp8.backward_transposes": "true"}
+    batch2 = {"training.local_batch_size": 2}  # the activations set the peak (at batch 1 nearly the gradients do)
+    kept_peak, late_peak = _plan("llama_fp8", **batch2).peak["none"], _plan("llama_fp8", **batch2, **late).peak["none"]
+    assert kept_peak - late_peak == pytest.approx(6.98e9, rel=0.01)
+    accum = {**batch2, "training.global_batch_size": 4}
+    assert _plan("llama_fp8", **accum, **late).peak["none"] == _plan("llama_fp8", **accum).peak["none"]
+    choice, _ = _lightest("llama_fp8", **{"fp8.backward_transposes": "true"})
+    assert (choice.mode, choice.every_n, choice.fits) == ("mlp", 8, True)
+
+
 def test_the_checkpoint_estimate_matches_the_measured_1b_save():
     assert _plan("llama3_1b_fp8").checkpoint_bytes / 1e9 == pytest.approx(MEASURED_1B_CHECKPOINT_GB, rel=0.02)
 

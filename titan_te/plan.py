@@ -241,10 +241,15 @@ class _RankMemory:
     def peak(self, mode: str, every_n: int) -> float:
         """At the start of the backward (every activation, the head's buffers, the gradients held then, the kept
         gathered blocks) or in the optimizer step (every gradient, no activation): in one micro-batch gradients
-        replace activations block by block as the backward goes."""
+        replace activations block by block as the backward goes. With fp8.backward_transposes the FP8 weights'
+        transposes are made in the backward and freed by the optimizer: they count in the optimizer step, and
+        from a step's second micro-batch on at the start of its backward too."""
         acts = self.activations(every_n)[mode]
-        return self.weights + self.state + self.transient + WORKSPACE + max(
-            acts + self.head + self.held_grads + self.kept_gathered(mode, every_n), self.grads)
+        fp8 = self.cfg.fp8
+        late = self.transposes if fp8.enable and fp8.params and fp8.backward_transposes else 0
+        held_late = late if self.grad_accum > 1 else 0
+        return self.weights - late + self.state + self.transient + WORKSPACE + max(
+            acts + self.head + self.held_grads + self.kept_gathered(mode, every_n) + held_late, self.grads + late)
 
     def fits(self, peak: float) -> bool:
         return peak <= self.card.memory * (1 - ALLOCATOR_SLACK)

@@ -263,7 +263,8 @@ class Trainer:
         return ac
 
     def _initialize(self, model, t, mcfg) -> None:
-        """5. Materialize and initialize: the same full weights for any world size and seed; then TE's in-place
+        """5. Materialize and initialize: the same full weights for any world size and seed; FP8 weights used in
+        place derive their transposes only for the backward (FP8Policy.weights_initialized); then TE's in-place
         weight gradients where they apply (model.fuse_wgrad_accumulation)."""
         backend_spec = BACKENDS.get(self.backend)
         if any(p.is_meta for p in model.parameters()):
@@ -277,6 +278,7 @@ class Trainer:
         self._write = write  # Hugging Face weights are written the same way (stage 7)
         init_weights(model, model.init_rule, t.seed, self.device, write=write)
         model.init_buffers(self.device)
+        self.fp8.weights_initialized(model)
         # on the materialized weights (TE's reset_parameters makes new ones)
         self.wgrads = WeightGradBuffers(model, mcfg.fuse_wgrad_accumulation and
                                         PARALLELISMS.get(self.parallel).local_grads, getattr(torch, mcfg.wgrad_dtype))

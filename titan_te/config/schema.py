@@ -269,6 +269,10 @@ class FP8:
                                     "(titan_te/te/swiglu.py) instead of TE's two passes", refines="enable")
     params: bool = opt(False, "keep weights in FP8 (te.quantized_model_init): FSDP2 all-gathers FP8 bytes; "
                               "needs an optimizer with FP32 master weights", refines="enable")
+    backward_transposes: bool = opt(False, "FP8 weights used in place (one GPU without FSDP, DDP): TE derives each "
+                                           "one's transpose in the backward, where the data gradient needs it, "
+                                           "not in every forward; the same numbers, and the transposes (a byte per "
+                                           "FP8 weight) are not held through the forward's peak", refines="enable")
     preserve_high_precision_init: bool = opt(True, "fused_adam: seed the FP32 master weights from the "
                                                    "pre-quantization init values")
     bf16_layers: list[int] = opt([], "block indices kept in bf16 (negative counts from the end), e.g. [0, -1]")

@@ -4,8 +4,9 @@ Models ask which blocks get FP8 weights and compute (`block_fp8`, `block_init`),
 in FP8 (`head`); the parallelism asks whether a block must keep its gathered weights (`keeps_gathered`) and
 tells it which units it keeps gathered from forward to backward (`gathered_until_backward`); the optimizer
 asks for a weight's value before it was quantized (`init_value`); the trainer says when the model is built
-(`model_built`: fp8.fused_swiglu), and the training step enters `autocast()` and asks whether a run's first step
-needs a calibration pass (`needs_calibration`).
+(`model_built`: fp8.fused_swiglu) and when its weights are initialized (`weights_initialized`), and the
+training step enters `autocast()` and asks whether a run's first step needs a calibration pass
+(`needs_calibration`).
 Nothing else reads fp8.* options or marks tensors and modules for one another.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FP8Policy:
         self._fused_swiglu = bool(spec and spec.scales_from_history and fcfg.fused_swiglu)
         self.amax_group = amax_group
         self.weights = fcfg.enable and fcfg.params  # FP8 weights (TE's quantized_model_init)
+        self._backward_transposes = self.weights and fcfg.backward_transposes
         self.head = fcfg.head if fcfg.enable else "off"  # the fused head's FP8 GEMMs (fp8.head)
         self._fcfg = fcfg
         self._keep_init = fcfg.enable and fcfg.params and fcfg.preserve_high_precision_init
@@ -95,6 +97,19 @@ class FP8Policy:
                 for pname, p in module.named_parameters():
                     if p.dim() == 2:
                         yield f"{name}.{pname}", p
+
+    def weights_initialized(self, model) -> int:
+        """The FP8 weights are materialized and written (TE's reset_parameters has their quantizers make both
+        layouts): with fp8.backward_transposes those used in place have TE derive their transposes only where the
+        backward needs them (tensors.transpose_when_needed), so no transpose is held through the forward's peak.
+        FSDP2's shards (DTensors) are left as they are: TE derives and frees a gathered copy's transpose itself.
+        Returns how many weights changed."""
+        if not self._backward_transposes:
+            return 0
+        used_in_place = [p for _, p in self.fp8_weights(model) if tensors.is_float8(p)]
+        for p in used_in_place:
+            tensors.transpose_when_needed(p)
+        return len(used_in_place)
 
     # --- the training step -----------------------------------------------------------------------------
     def autocast(self):

@@ -106,8 +106,23 @@ def is_float8(w) -> bool:
 
 
 def written_in_place(w) -> None:
-    """After a kernel wrote an FP8 weight's bytes: drop what TE cached from the old ones (its transpose)."""
-    w._reset_caches()
+    """After a kernel wrote an FP8 weight's row-wise bytes: the transpose TE derived from the old ones is stale.
+    Where TE derives it only when a GEMM needs it (transpose_when_needed) it is freed; else TE keeps its buffer
+    to write the next one into (and a tensor without row-wise bytes keeps its transposed ones: its data)."""
+    quantizer = getattr(w, "_quantizer", None)
+    if w._data is not None and quantizer is not None and not quantizer.columnwise_usage:
+        w.remove_caches()
+    else:
+        w._reset_caches()
+
+
+def transpose_when_needed(w) -> None:
+    """Have TE derive an FP8 weight's transpose only where a GEMM needs it (the backward's data gradient on GPUs
+    whose FP8 GEMMs take one layout) instead of in every forward: its quantizer makes the row-wise layout
+    alone, and what it cached is freed. The transposes then wait from a block's backward to the optimizer's
+    next write, not through the forward's peak."""
+    w._quantizer.set_usage(rowwise=True, columnwise=False)
+    written_in_place(w)
 
 
 def e4m3_current(t: torch.Tensor, transpose: bool = False):
