@@ -378,6 +378,20 @@ def test_fp8_weight_checkpoint_round_trip_continues_the_losses(mode, tmp_path):
     assert worst < 1e-3  # GPU tolerance: the same kernels, restored FP8 amax history and optimizer state
 
 
+def test_a_checkpoint_saved_with_backward_transposes_resumes_without_them(tmp_path):
+    """fp8.backward_transposes changes where TE derives the FP8 weights' transposes, not what a checkpoint holds:
+    its first 6 steps equal the plain run's, a background save (pinned staging of weights without a transpose)
+    resumes in a run without the option, and the losses go on as the uninterrupted run's."""
+    late = {"backward_transposes": True}
+    ref = run_ranks(_fp8_weights_run, 1, str(tmp_path / "ref"), "disabled", None)[0][1]
+    first = run_ranks(_fp8_weights_run, 1, str(tmp_path / "run"), "async_with_pinned_mem", 6, (), late)[0]
+    second = run_ranks(_fp8_weights_run, 1, str(tmp_path / "run"), "async_with_pinned_mem", None)[0]
+    assert first[0] == 0 and second[0] == 6
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref, first[1] + second[1]))
+    print(f"saved with fp8.backward_transposes, resumed without: worst relative difference {worst:.2e}")
+    assert first[1] == ref[:6] and worst < 1e-3
+
+
 @pytest.mark.parametrize("change", [{"recipe": "current"}, {"params": False}, {"enable": False, "params": False}],
                          ids=["to-current-scaling", "to-bf16-weights", "to-bf16"])
 def test_an_fp8_checkpoint_resumes_with_another_fp8_setting(change, tmp_path):
