@@ -263,9 +263,9 @@ class Trainer:
         return ac
 
     def _initialize(self, model, t, mcfg) -> None:
-        """5. Materialize and initialize: the same full weights for any world size and seed; FP8 weights used in
-        place derive their transposes only for the backward (FP8Policy.weights_initialized); then TE's in-place
-        weight gradients where they apply (model.fuse_wgrad_accumulation)."""
+        """5. Materialize and initialize: the same full weights for any world size and seed; with
+        fp8.backward_transposes FP8 weights used in place derive their transposes only for the backward; then
+        TE's in-place weight gradients where they apply (model.fuse_wgrad_accumulation)."""
         backend_spec = BACKENDS.get(self.backend)
         if any(p.is_meta for p in model.parameters()):
             if backend_spec.materialize:
