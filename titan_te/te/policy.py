@@ -98,14 +98,13 @@ class FP8Policy:
                     if p.dim() == 2:
                         yield f"{name}.{pname}", p
 
-    def weights_initialized(self, model) -> int:
+    def weights_initialized(self, model) -> None:
         """The FP8 weights are materialized and written (TE's reset_parameters has their quantizers make both
         layouts): with fp8.backward_transposes those used in place have TE derive their transposes only where the
         backward needs them (tensors.transpose_when_needed), so no transpose is held through the forward's peak.
-        FSDP2's shards (DTensors) are left as they are: TE derives and frees a gathered copy's transpose itself.
-        Returns how many weights changed."""
+        FSDP2's shards (DTensors) are left as they are: TE derives and frees a gathered copy's transpose itself."""
         if not self._backward_transposes:
-            return 0
+            return
         used_in_place = [p for _, p in self.fp8_weights(model) if tensors.is_float8(p)]
         for p in used_in_place:
             tensors.transpose_when_needed(p)
@@ -113,7 +112,6 @@ class FP8Policy:
                     f"transposes in the backward" if used_in_place else
                     "fp8.backward_transposes: no FP8 weight is used in place here (FSDP2 derives and frees its "
                     "gathered copies' transposes itself)")
-        return len(used_in_place)
 
     # --- the training step -----------------------------------------------------------------------------
     def autocast(self):
