@@ -108,10 +108,12 @@ class FP8Policy:
         used_in_place = [p for _, p in self.fp8_weights(model) if tensors.is_float8(p)]
         for p in used_in_place:
             tensors.transpose_when_needed(p)
-        logger.info(f"fp8.backward_transposes: {len(used_in_place)} FP8 weights used in place derive their "
-                    f"transposes in the backward" if used_in_place else
-                    "fp8.backward_transposes: no FP8 weight is used in place here (FSDP2 derives and frees its "
-                    "gathered copies' transposes itself)")
+        if used_in_place:
+            logger.info(f"fp8.backward_transposes: {len(used_in_place)} FP8 weights used in place derive their "
+                        f"transposes in the backward")
+        else:
+            logger.info("fp8.backward_transposes: no FP8 weight is used in place here (FSDP2 derives and frees its "
+                        "gathered copies' transposes itself)")
 
     # --- the training step -----------------------------------------------------------------------------
     def autocast(self):
