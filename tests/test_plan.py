@@ -75,6 +75,7 @@ def test_backward_transposes_leave_the_fp8_transposes_out_of_the_forwards_peak()
     assert kept_peak - late_peak == pytest.approx(6.98e9, rel=0.01)
     accum = {**batch2, "training.global_batch_size": 4}
     assert _plan("llama_fp8", **accum, **late).peak["none"] == _plan("llama_fp8", **accum).peak["none"]
+    assert "their transposes 6.5 GiB made in the backward" in dict(_plan("llama_fp8", **late).rows)["weights / rank"]
     choice, _ = _lightest("llama_fp8", **late)
     assert (choice.mode, choice.every_n, choice.fits) == ("mlp", 8, True)
 

@@ -245,11 +245,16 @@ class _RankMemory:
         transposes are made in the backward and freed by the optimizer: they count in the optimizer step, and
         from a step's second micro-batch on at the start of its backward too."""
         acts = self.activations(every_n)[mode]
-        fp8 = self.cfg.fp8
-        late = self.transposes if fp8.enable and fp8.params and fp8.backward_transposes else 0
+        late = self.late_transposes
         held_late = late if self.grad_accum > 1 else 0
         return self.weights - late + self.state + self.transient + WORKSPACE + max(
             acts + self.head + self.held_grads + self.kept_gathered(mode, every_n) + held_late, self.grads + late)
+
+    @property
+    def late_transposes(self) -> float:
+        """The FP8 transposes' bytes that fp8.backward_transposes leaves out of the forward (0 without it)."""
+        fp8 = self.cfg.fp8
+        return self.transposes if fp8.enable and fp8.params and fp8.backward_transposes else 0
 
     def fits(self, peak: float) -> bool:
         return peak <= self.card.memory * (1 - ALLOCATOR_SLACK)
@@ -414,6 +419,7 @@ def make_plan(cfg, ngpu: int, nnodes: int, gpu: str, vocab: int, nvlink: float =
                        f"higher precision)"),
         ("weights / rank", f"{_gib(weights)} (FP8 {_gib(n_fp8 / div)}"
                            + (f", their transposes {_gib(transposes)}" if transposes else "")
+                           + (" made in the backward" if mem.late_transposes else "")
                            + f", FP32 {_gib(n_other * 4 / div)})"),
         ("gradients / rank", _gib(grads)),
         ("optimizer state / rank", f"{_gib(state)} ({cfg.optimizer.name}, moments {cfg.optimizer.moment_dtype})"),
