@@ -1,7 +1,7 @@
 """What held the memory at a run's peak, from a CUDA memory snapshot (`--profiling.enable_memory_snapshot=true`
 writes them under the run folder; torch's `torch.cuda.memory._dump_snapshot` format).
 
-    python benchmarks/memory_peak.py RUN/memory_snapshots/step-3.pickle [--top 15]
+    python benchmarks/memory_peak.py RUN/memory_snapshot/step-3-rank0.pickle [--top 15]
 
 The snapshot's trace (allocations and frees since recording began) is replayed to find the moment the most
 memory was allocated; the allocations alive then are summed by where they were made: the innermost frame in
@@ -38,25 +38,26 @@ def peak(snapshot: dict, device: int = 0) -> dict:
     # alive when recording began: what the segments hold at the end, less the trace's allocations, plus its frees
     before = held_at_end - sum(e["size"] for e in events if e["action"] == "alloc") + sum(
         e["size"] for e in events if e["action"] == "free_completed")
+    # the peak's moment first, then a replay up to it for what was alive (no copy of the live set at each new top)
+    current = top = before
+    top_at = -1
+    for i, e in enumerate(events):
+        if e["action"] in ("alloc", "free_completed"):
+            current += e["size"] if e["action"] == "alloc" else -e["size"]
+            if current > top:
+                top, top_at = current, i
     live: dict[int, tuple[int, str]] = {}
-    current = top = top_before = old = before
-    top_live: dict[int, tuple[int, str]] = {}
-    for e in events:
+    top_before = before
+    for e in events[:top_at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _where(e.get("frames", [])))
-            current += e["size"]
         elif e["action"] == "free_completed":
             if e["addr"] in live:
                 live.pop(e["addr"])
             else:  # made before recording began
-                old -= e["size"]
-            current -= e["size"]
-        else:
-            continue
-        if current > top:
-            top, top_live, top_before = current, dict(live), old
+                top_before -= e["size"]
     rows = defaultdict(int)
-    for size, where in top_live.values():
+    for size, where in live.values():
         rows[where] += size
     return {"peak": top, "before": top_before,
             "rows": sorted(((b, w) for w, b in rows.items()), reverse=True)}
