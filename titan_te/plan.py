@@ -221,8 +221,10 @@ class _RankMemory:
     grads: float
     state: float
     state_full: float  # unsharded: what a checkpoint holds
-    transient: float  # FSDP's gathered units in flight
+    transient: float  # FSDP's gathered units in flight in the backward
     held_grads: float  # gradients held at the start of the backward
+    at_head: float  # beyond the activations, at the head's forward
+    in_backward: float  # beyond the activations, in the backward's first units
     grad_accum: int  # micro-batches a step
     head: float
     cfg: object
@@ -239,16 +241,18 @@ class _RankMemory:
             b for u, b in zip(self.m.units, self.m.unit_bytes) if self.m.keeps_gathered(u, mode, every_n))
 
     def peak(self, mode: str, every_n: int) -> float:
-        """At the start of the backward (every activation, the head's buffers, the gradients held then, the kept
-        gathered blocks) or in the optimizer step (every gradient, no activation): in one micro-batch gradients
-        replace activations block by block as the backward goes. With fp8.backward_transposes the FP8 weights'
-        transposes are made in the backward and freed by the optimizer: they count in the optimizer step, and
-        from a step's second micro-batch on at the start of its backward too."""
+        """At the start of the backward (every activation, the kept gathered blocks, and the larger of what the
+        head's forward holds and what the first units of the backward hold: _rank_memory) or in the optimizer
+        step (every gradient, no activation): in one micro-batch gradients replace activations block by block as
+        the backward goes. With fp8.backward_transposes the FP8 weights' transposes are made in the backward and
+        freed by the optimizer: they count in the optimizer step, and from a step's second micro-batch on at the
+        start of its backward too."""
         acts = self.activations(every_n)[mode]
         late = self.late_transposes
         held_late = late if self.grad_accum > 1 else 0
-        return self.weights - late + self.state + self.transient + WORKSPACE + max(
-            acts + self.head + self.held_grads + self.kept_gathered(mode, every_n) + held_late, self.grads + late)
+        return self.weights - late + self.state + WORKSPACE + max(
+            acts + self.kept_gathered(mode, every_n) + held_late + max(self.at_head, self.in_backward),
+            self.grads + late)
 
     @property
     def late_transposes(self) -> float:
@@ -284,8 +288,9 @@ def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemo
     wgrad = getattr(torch, cfg.model.wgrad_dtype).itemsize if in_place else 4
     grads = ((n_fp8 + n_other - m.n_block_matrices) * 4 + m.n_block_matrices * wgrad) / div
     # FSDP gathers a unit (bf16, FP8 weights as FP8) before using it and keeps the next one prefetched; in the
-    # backward the unit's unsharded bf16 gradients wait for their reduce-scatter
-    transient = (2 * max(m.unit_bytes) + 2 * max(m.unit_grads)) if gathers else 0
+    # backward the unit's unsharded bf16 gradients are copied into the reduce-scatter's input (in its dtype)
+    reduce_bytes = getattr(torch, cfg.training.mixed_precision_reduce).itemsize
+    transient = (2 * max(m.unit_bytes) + max(m.unit_grads) * (1 + reduce_bytes / 2)) if gathers else 0
     t = cfg.training
     tokens = t.local_batch_size * t.seq_len  # one micro-batch
     head = _activations(cfg, m, vocab, tokens, card.fp8_transpose, 1)[1]
@@ -295,8 +300,16 @@ def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemo
     # gradients of the earlier ones are all held through its forward and backward (and, where FSDP shards them,
     # beside the unit's own waiting for its reduce-scatter)
     held_grads = (grads + (block_grads if gathers else 0)) if grad_accum > 1 else block_grads
+    if gathers:
+        # two moments, the larger one the peak: the head's forward (its buffers, the last unit gathered, which
+        # FSDP keeps so to the backward, and the earlier micro-batches' gradients) and the backward's first units
+        # (the units in flight, the gradients held then)
+        at_head = head + m.unit_bytes[-1] + (grads if grad_accum > 1 else 0)
+        in_backward = transient + held_grads
+    else:
+        at_head, in_backward = head + held_grads, 0.0
     return _RankMemory(m, card, parallel, rep, shard, div, gathers, transposes, weights, grads, state_full / div,
-                       state_full, transient, held_grads, grad_accum, head, cfg, vocab, tokens)
+                       state_full, transient, held_grads, at_head, in_backward, grad_accum, head, cfg, vocab, tokens)
 
 
 def recomputed_share(args, mode: str, every_n: int) -> float:
