@@ -107,6 +107,22 @@ def test_tiktoken_tokenizer_sets_vocab_specials_and_trains(tmp_path, capsys):
     assert "tokenizer tiktoken (vocab 519)" in out and "step      2" in out
 
 
+def test_a_tiktoken_file_replaced_at_the_same_path_is_read_anew(tmp_path):
+    """tiktoken's own loader caches every file it read by its path (tempfile's data-gym-cache) and returned the
+    old ranks for a file replaced at the same path: a run would have tokenized with the previous tokenizer."""
+    pytest.importorskip("tiktoken")
+    import base64
+
+    from titan_te.data.tokenizers import TiktokenTokenizer
+
+    path = tmp_path / "tokenizer.model"
+    order = list(range(256))
+    for first in (ord("a"), ord("b")):  # the same bytes, another byte ranked first each time
+        ranked = [first] + [b for b in order if b != first]
+        path.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {i}\n" for i, b in enumerate(ranked)))
+        assert TiktokenTokenizer(path).encode(chr(first)).tolist() == [0]
+
+
 @pytest.mark.parametrize("lines, fragment", [
     ("", "holds no BPE ranks (an empty file?)"),  # was a ValueError traceback (max() of no ranks)
     # two byte tokens only: a text with another byte made tiktoken's Rust core panic (PanicException) mid-run

@@ -12,6 +12,7 @@ vocabulary size before padding, and a hash of its vocabulary).
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import string
@@ -174,17 +175,28 @@ def _check_bpe_ranks(ranks: dict, path: Path) -> None:
                         f"a byte-level BPE needs; is it a tiktoken BPE file?")
 
 
+def _read_bpe_ranks(path: Path) -> dict:
+    """A tiktoken BPE file's ranks (a base64 token and its rank a line), read from the file itself: tiktoken's
+    own loader keeps a copy of any file it read, by its path, in the temporary folder's data-gym-cache, and
+    hands that copy back for a file later replaced at the same path."""
+    ranks = {}
+    try:
+        for line in path.read_bytes().splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+    except ValueError as e:  # a line that is not two fields, a token not base64, a rank not a number
+        raise DataError(f"data.tokenizer_path: {path} is not a tiktoken BPE file ({type(e).__name__})") from None
+    return ranks
+
+
 class TiktokenTokenizer:
     def __init__(self, path: Path):
         try:
             import tiktoken
-            from tiktoken.load import load_tiktoken_bpe
         except ImportError:
             raise DataError("data.tokenizer = 'tiktoken' needs the tiktoken package: pip install tiktoken") from None
-        try:
-            ranks = load_tiktoken_bpe(str(path))
-        except Exception as e:
-            raise DataError(f"data.tokenizer_path: {path} is not a tiktoken BPE file ({type(e).__name__})") from None
+        ranks = _read_bpe_ranks(path)
         _check_bpe_ranks(ranks, path)
         n = len(ranks)
         names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>"
