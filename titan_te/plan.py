@@ -222,7 +222,6 @@ class _RankMemory:
     state: float
     state_full: float  # unsharded: what a checkpoint holds
     transient: float  # FSDP's gathered units in flight in the backward
-    held_grads: float  # gradients held at the start of the backward
     at_head: float  # beyond the activations, at the head's forward
     in_backward: float  # beyond the activations, in the backward's first units
     grad_accum: int  # micro-batches a step
@@ -309,7 +308,7 @@ def _rank_memory(cfg, m: _Model, world: int, card: GPU, vocab: int) -> _RankMemo
     else:
         at_head, in_backward = head + held_grads, 0.0
     return _RankMemory(m, card, parallel, rep, shard, div, gathers, transposes, weights, grads, state_full / div,
-                       state_full, transient, held_grads, at_head, in_backward, grad_accum, head, cfg, vocab, tokens)
+                       state_full, transient, at_head, in_backward, grad_accum, head, cfg, vocab, tokens)
 
 
 def recomputed_share(args, mode: str, every_n: int) -> float:
