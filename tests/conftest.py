@@ -37,9 +37,6 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
-    # the slowest tests (`slow`: a minute or two each under CI's load) first: the two workers then end on short
-    # tests, where one of them left last with the default job's 135 s kept the other idle
-    items.sort(key=lambda item: "slow" not in item.keywords)
     missing = _te_gpu_missing()
     if not missing:
         return

@@ -237,7 +237,6 @@ def _position_resumes(_rank, _world, workers, dp_world) -> bool:
     return True
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("dp_world", [1, 2])
 def test_the_data_position_resumes_on_any_ranks_and_workers(workers, dp_world):

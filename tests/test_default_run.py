@@ -2,14 +2,11 @@
 import re
 import subprocess
 
-import pytest
-
 from conftest import ROOT
 
 LINE = re.compile(r"step\s+(\d+)\s+loss\s+([0-9.]+)")
 
 
-@pytest.mark.slow
 def test_default_run_trains_and_loss_falls(tmp_path):
     r = subprocess.run(["./run_train.sh", f"--job.dump_folder={tmp_path}"], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)

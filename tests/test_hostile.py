@@ -1012,7 +1012,6 @@ def test_an_error_of_its_own_keeps_its_traceback_after_no_signal():
 
 
 # --- round 2: two runs, one checkpoint folder -----------------------------------------------------------
-@pytest.mark.slow
 def test_two_runs_never_share_a_checkpoint_folder_unless_asked(capsys, tmp_path):
     """Run A saves into an absolute checkpoint.folder; run B names the same folder: refused while A runs (the
     folder's lock), refused after A stopped (its checkpoints are another run's), every file of A unchanged;

@@ -197,7 +197,6 @@ def test_a_save_is_on_the_disk_before_retention_deletes_the_older_one(tmp_path):
         assert parent < deleted < len(lines), (step, manifest, folder, renamed, parent, deleted)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2], ids=["no-loader-workers", "2-loader-workers"])
 def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(workers, tmp_path):
     """As Slurm preempts a job: SIGTERM to every process of the step, the data-loader workers too. torch's workers
@@ -218,7 +217,6 @@ def test_sigterm_to_the_group_saves_the_current_step_and_exits_75(workers, tmp_p
     assert f"(step {step})" in again.stdout and f"training from step {step + 1}" in again.stdout
 
 
-@pytest.mark.slow
 def test_workers_die_with_a_killed_launcher_and_a_live_run_folder_is_locked(tmp_path):
     args = [f"--job.dump_folder={tmp_path}", "--training.steps=100000", "--checkpoint.enable=true",
             "--checkpoint.interval=100000", *SMALL]
@@ -340,7 +338,6 @@ def _losses(run_folder: Path) -> dict[int, float]:
     return {row["step"]: row["loss_metrics/global_avg_loss"] for row in rows if "loss_metrics/global_avg_loss" in row}
 
 
-@pytest.mark.slow
 def test_a_job_stopped_at_random_moments_on_1_or_2_ranks_ends_with_the_uninterrupted_losses(tmp_path):
     """The user's path after crashes and preemptions: the job is stopped at a random moment (start-up, a step, a
     background save, the final save) by a random signal, and the same command is rerun on 1 or 2 ranks, five
@@ -391,7 +388,6 @@ def _nodes(args, port, **env):
             for rank in (0, 1)]
 
 
-@pytest.mark.slow
 def test_two_nodes_stop_together_when_one_is_preempted_and_resume_on_the_uninterrupted_losses(tmp_path):
     """The many-GPU path across nodes: SIGTERM reaches only node 1 (its launcher); the stop vote is shared, so
     both nodes save the same step and exit 75; the same command on both nodes resumes there, and every step's
